@@ -1,0 +1,216 @@
+"""GPU catalog: the one source of truth for every hardware constant Kareus uses.
+
+Each constant carries a short note of where it comes from. "FACTS §n" refers to the
+public-numbers file (vendor datasheets, NCCL source and nccl-tests threads, Zeus/Perseus
+docs, NanoFlow traces, the Kareus paper). Values marked "assumption" have no public
+measurement; they are documented choices inside the published range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kareus.errors import SpecError
+
+CLOCK_STEP_MHZ = 15  # every NVIDIA data-centre part here exposes 15 MHz steps (FACTS §1)
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Constants of one GPU model. Bandwidths in bytes/s, power in W, clocks in MHz."""
+
+    name: str
+    sm_count: int
+    max_freq_mhz: int
+    min_freq_mhz: int
+    hbm_bandwidth_bytes_s: float
+    tdp_w: float
+    peak_bf16_flops: float
+    flop_per_clock_per_sm: int
+    nvlink_bytes_s: float
+    allreduce_busbw_bytes_s: float
+    """Achieved 8-GPU NCCL AllReduce bus bandwidth inside one node."""
+    nccl_channel_cap_bytes_s: float
+    """NCCL's own per-channel (per-CTA) bandwidth cap for this architecture."""
+    internode_bytes_s: float
+    """Network bandwidth per GPU between nodes."""
+    static_power_w: float
+    """Power of a GPU blocked in communication (what Kareus/Perseus subtract)."""
+    idle_power_w: float
+    search_freq_step_mhz: int = 30
+    search_min_freq_mhz: int = 900
+    notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def clock_table_mhz(self) -> tuple[int, ...]:
+        """Every supported SM clock, highest first, in 15 MHz steps down to the floor."""
+        return tuple(range(self.max_freq_mhz, self.min_freq_mhz - 1, -CLOCK_STEP_MHZ))
+
+    @property
+    def search_freqs_mhz(self) -> tuple[int, ...]:
+        """The default frequencies a search visits, highest first (Kareus: 1410..900 step 30)."""
+        return tuple(
+            range(self.max_freq_mhz, self.search_min_freq_mhz - 1, -self.search_freq_step_mhz)
+        )
+
+    def check_freq(self, freq_mhz: int) -> int:
+        """Return ``freq_mhz`` if it is in the supported clock table, else raise SpecError."""
+        if freq_mhz not in set(self.clock_table_mhz):
+            raise SpecError(
+                f"{freq_mhz} MHz is not a supported clock of {self.name}: "
+                f"use {self.min_freq_mhz}..{self.max_freq_mhz} in steps of {CLOCK_STEP_MHZ} MHz"
+            )
+        return freq_mhz
+
+
+_GB = 1e9
+_TFLOP = 1e12
+
+_A100_NOTES = {
+    "sm_count": "NVIDIA A100 datasheet (FACTS §1)",
+    "clock table": "nvidia-smi supported clocks: 1410 down to 210 in 15 MHz steps (FACTS §1)",
+    "search freqs": "Kareus artifact: 1410..900 MHz in 30 MHz steps, 18 values (FACTS §4)",
+    "flop_per_clock_per_sm": "inferred: 312 TFLOP/s / (108 SMs x 1.41 GHz) = 2048 (FACTS §1)",
+    "allreduce_busbw": "nccl-tests 8-GPU AllReduce 208-240 GB/s achieved; midpoint (FACTS §1)",
+    "nccl_channel_cap": "NCCL cost model per-channel cap, Ampere 20 GB/s (FACTS §3)",
+    "internode": "assumption: one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)",
+    "static_power": "Kareus/Perseus constant for A100, GPU blocked in communication (FACTS §1)",
+    "idle_power": "about 60 W at 210 MHz (FACTS §1)",
+}
+
+_HOPPER_NOTES = {
+    "sm_count": "NVIDIA H100/H200 SXM datasheet (FACTS §1)",
+    "clock table": "1980 down to 345 MHz in 15 MHz steps (FACTS §1)",
+    "search freqs": "analogous to A100: max down to ~64% of max (900/1410) in 30 MHz steps",
+    "flop_per_clock_per_sm": "inferred 4096 (FACTS §1); 989 TFLOP/s is quoted at ~1830 MHz",
+    "nccl_channel_cap": "NCCL cost model per-channel cap, Hopper 36.7 GB/s (FACTS §3)",
+    "internode": "assumption: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100)",
+    "static_power": "assumption: not published; 115 W chosen inside the 90-145 W range (FACTS §1)",
+    "idle_power": "about 140 W with memory allocated, P0 (FACTS §1)",
+}
+
+_CATALOG: dict[str, GPUSpec] = {
+    "A100-40GB": GPUSpec(
+        name="A100-40GB",
+        sm_count=108,
+        max_freq_mhz=1410,
+        min_freq_mhz=210,
+        hbm_bandwidth_bytes_s=1555 * _GB,
+        tdp_w=400.0,
+        peak_bf16_flops=312 * _TFLOP,
+        flop_per_clock_per_sm=2048,
+        nvlink_bytes_s=300 * _GB,
+        allreduce_busbw_bytes_s=224 * _GB,
+        nccl_channel_cap_bytes_s=20 * _GB,
+        internode_bytes_s=25 * _GB,
+        static_power_w=85.0,
+        idle_power_w=60.0,
+        notes=_A100_NOTES,
+    ),
+    "A100-80GB": GPUSpec(
+        name="A100-80GB",
+        sm_count=108,
+        max_freq_mhz=1410,
+        min_freq_mhz=210,
+        hbm_bandwidth_bytes_s=2039 * _GB,
+        tdp_w=400.0,
+        peak_bf16_flops=312 * _TFLOP,
+        flop_per_clock_per_sm=2048,
+        nvlink_bytes_s=300 * _GB,
+        allreduce_busbw_bytes_s=224 * _GB,
+        nccl_channel_cap_bytes_s=20 * _GB,
+        internode_bytes_s=25 * _GB,
+        static_power_w=85.0,
+        idle_power_w=60.0,
+        notes={**_A100_NOTES, "hbm": "A100 SXM4 80GB datasheet: 2039 GB/s (FACTS §1)"},
+    ),
+    "H100-SXM": GPUSpec(
+        name="H100-SXM",
+        sm_count=132,
+        max_freq_mhz=1980,
+        min_freq_mhz=345,
+        hbm_bandwidth_bytes_s=3350 * _GB,
+        tdp_w=700.0,
+        peak_bf16_flops=989 * _TFLOP,
+        flop_per_clock_per_sm=4096,
+        nvlink_bytes_s=450 * _GB,
+        allreduce_busbw_bytes_s=370 * _GB,
+        nccl_channel_cap_bytes_s=36.7 * _GB,
+        internode_bytes_s=50 * _GB,
+        static_power_w=115.0,
+        idle_power_w=140.0,
+        search_min_freq_mhz=1260,
+        notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (FACTS §1)"},
+    ),
+    "H200": GPUSpec(
+        name="H200",
+        sm_count=132,
+        max_freq_mhz=1980,
+        min_freq_mhz=345,
+        hbm_bandwidth_bytes_s=4800 * _GB,
+        tdp_w=700.0,
+        peak_bf16_flops=989 * _TFLOP,
+        flop_per_clock_per_sm=4096,
+        nvlink_bytes_s=450 * _GB,
+        allreduce_busbw_bytes_s=475 * _GB,
+        nccl_channel_cap_bytes_s=36.7 * _GB,
+        internode_bytes_s=50 * _GB,
+        static_power_w=115.0,
+        idle_power_w=140.0,
+        search_min_freq_mhz=1260,
+        notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (FACTS §1)"},
+    ),
+    "A40": GPUSpec(
+        name="A40",
+        sm_count=84,
+        max_freq_mhz=1740,
+        min_freq_mhz=210,
+        hbm_bandwidth_bytes_s=696 * _GB,
+        tdp_w=300.0,
+        peak_bf16_flops=150 * _TFLOP,
+        flop_per_clock_per_sm=1024,
+        nvlink_bytes_s=56.25 * _GB,
+        allreduce_busbw_bytes_s=20 * _GB,
+        nccl_channel_cap_bytes_s=20 * _GB,
+        internode_bytes_s=12.5 * _GB,
+        static_power_w=70.0,
+        idle_power_w=30.0,
+        notes={
+            "sm_count": "NVIDIA A40 datasheet (FACTS §1)",
+            "search freqs": "Kareus artifact: 1740..900 MHz in 30 MHz steps (FACTS §4)",
+            "flop_per_clock_per_sm": "inferred 1024 (FACTS §1)",
+            "nvlink": "NVLink bridge between GPU pairs only; 112.5 GB/s bidirectional",
+            "allreduce_busbw": "assumption: 8 GPUs over PCIe Gen4, ~20 GB/s bus bandwidth",
+            "internode": "assumption: one 100 Gb/s NIC per GPU",
+            "static_power": "Kareus/Perseus constant for A40 (FACTS §1)",
+            "idle_power": "about 30 W in P8 (FACTS §1)",
+        },
+    ),
+}
+
+_ALIASES = {
+    "a100": "A100-40GB",
+    "a100-40gb": "A100-40GB",
+    "a100-sxm4-40gb": "A100-40GB",
+    "a100-80gb": "A100-80GB",
+    "a100-sxm4-80gb": "A100-80GB",
+    "h100": "H100-SXM",
+    "h100-sxm": "H100-SXM",
+    "h100-sxm5": "H100-SXM",
+    "h200": "H200",
+    "h200-sxm": "H200",
+    "a40": "A40",
+}
+
+
+def gpu_names() -> list[str]:
+    return list(_CATALOG)
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """Look a GPU up by its catalog name or a common alias (case-insensitive)."""
+    canonical = _ALIASES.get(name.strip().lower(), name)
+    try:
+        return _CATALOG[canonical]
+    except KeyError:
+        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(_CATALOG)}") from None

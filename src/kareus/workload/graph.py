@@ -1,0 +1,216 @@
+"""The execution graph of a job: per-layer op lists, the ops outside the layers, per stage.
+
+All layer ops are for one nanobatch on one rank; ops outside the layers (embedding, LM
+head, loss, pipeline send/recv) run once per microbatch; the data-parallel gradient sync
+runs once per iteration. Totals are per GPU of each stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from kareus.spec import BYTES_PER_ELEMENT as E
+from kareus.spec import JobSpec
+from kareus.workload.layer import (
+    backward_ops,
+    forward_ops,
+    gemm,
+    gemm_backward,
+    memory_backward,
+    memory_op,
+)
+from kareus.workload.ops import Collective, ComputeOp, Op, Segment
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """What one pipeline stage runs besides its layers."""
+
+    index: int
+    num_layers: int
+    forward_pre: tuple[Op, ...]
+    """Per microbatch, before the first layer's forward (embedding on stage 0)."""
+    forward_post: tuple[Op, ...]
+    """Per microbatch, after the last layer (LM head and loss on the last stage; the send)."""
+    backward_pre: tuple[Op, ...]
+    backward_post: tuple[Op, ...]
+    iteration_end: tuple[Op, ...]
+    """Once per iteration: the data-parallel gradient reduce-scatter and parameter gather."""
+    params: int
+    """Parameters held by one rank of this stage."""
+
+
+def _sum_flops(ops) -> float:
+    return float(sum(op.flops for op in ops))
+
+
+def cut_segments(ops: list[Op], direction: str, layer: int = 0) -> list[Segment]:
+    """Cut an op list at every collective into segments (the op list ends with one)."""
+    segments: list[Segment] = []
+    current: list[ComputeOp] = []
+    for op in ops:
+        if isinstance(op, Collective):
+            segments.append(Segment(op.closes, direction, tuple(current), op, layer))
+            current = []
+        else:
+            current.append(op)
+    if current:
+        segments.append(Segment("tail", direction, tuple(current), None, layer))
+    return segments
+
+
+@dataclass(frozen=True)
+class ExecutionGraph:
+    job: JobSpec
+    layer_forward: tuple[Op, ...]
+    layer_backward: tuple[Op, ...]
+    stages: tuple[StageGraph, ...]
+
+    @classmethod
+    def from_job(cls, job: JobSpec) -> ExecutionGraph:
+        fwd = forward_ops(job)
+        bwd = backward_ops(job, fwd)
+        stages = tuple(_stage(job, i) for i in range(job.pp))
+        return cls(job, tuple(fwd), tuple(bwd), stages)
+
+    # Segments of a pass ------------------------------------------------------------------
+
+    @cached_property
+    def forward_segments(self) -> tuple[Segment, ...]:
+        return tuple(cut_segments(list(self.layer_forward), "fwd"))
+
+    @cached_property
+    def backward_segments(self) -> tuple[Segment, ...]:
+        return tuple(cut_segments(list(self.layer_backward), "bwd"))
+
+    def pass_segments(self, direction: str, num_layers: int) -> list[Segment]:
+        """One nanobatch's segments through ``num_layers`` layers in one pipeline instruction.
+
+        A backward instruction recomputes each layer's forward just before its backward
+        (full, uniform recompute of one layer) when recompute is on.
+        """
+        out: list[Segment] = []
+        for layer in range(num_layers):
+            if direction == "forward":
+                out += [_at(s, layer) for s in self.forward_segments]
+            else:
+                if self.job.recompute:
+                    out += [_at(s, layer) for s in self.forward_segments]
+                out += [_at(s, layer) for s in self.backward_segments]
+        return out
+
+    # Totals ------------------------------------------------------------------------------
+
+    @cached_property
+    def layer_flops(self) -> dict[str, float]:
+        """FLOPs of one layer for one microbatch (both nanobatches) on one rank."""
+        fwd = 2 * _sum_flops(self.layer_forward)
+        bwd = 2 * _sum_flops(self.layer_backward)
+        recompute = fwd if self.job.recompute else 0.0
+        return {"forward": fwd, "recompute": recompute, "backward": bwd,
+                "total": fwd + recompute + bwd}
+
+    def stage_microbatch_flops(self, stage: StageGraph) -> float:
+        outside = (stage.forward_pre, stage.forward_post, stage.backward_pre, stage.backward_post)
+        return stage.num_layers * self.layer_flops["total"] + sum(_sum_flops(o) for o in outside)
+
+    def stage_iteration_flops(self, stage: StageGraph) -> float:
+        return (self.job.num_microbatches * self.stage_microbatch_flops(stage)
+                + _sum_flops(stage.iteration_end))
+
+    @property
+    def per_gpu_iteration_flops(self) -> list[float]:
+        return [self.stage_iteration_flops(s) for s in self.stages]
+
+    @property
+    def iteration_flops_total(self) -> float:
+        """All GPUs of the job: each stage's per-GPU FLOPs times the GPUs of that stage."""
+        gpus_per_stage = self.job.num_gpus // self.job.pp
+        return float(sum(self.per_gpu_iteration_flops) * gpus_per_stage)
+
+
+def _at(seg: Segment, layer: int) -> Segment:
+    return Segment(seg.name, seg.direction, seg.ops, seg.collective, layer)
+
+
+def layer_params(job: JobSpec) -> int:
+    """Parameters of one decoder layer held by one TP rank."""
+    m = job.model
+    d, h = m.head_dim, m.hidden_size
+    heads, kv = job.local_heads, job.local_kv_heads
+    ffn = m.ffn_hidden_size // job.tp
+    attn = h * (heads + 2 * kv) * d + heads * d * h
+    mlp = h * 2 * ffn + ffn * h
+    norms = 2 * h + (2 * d if m.qk_norm else 0)
+    return attn + mlp + norms
+
+
+def _stage(job: JobSpec, index: int) -> StageGraph:
+    m = job.model
+    first, last = index == 0, index == job.pp - 1
+    layers = (job.layers_per_stage or ())[index]
+    tokens = job.micro_batch_size * job.local_seq_length  # one microbatch on one rank
+    h = m.hidden_size
+    vocab_local = -(-m.vocab_size // job.tp)  # vocab-parallel, padded up
+    act_bytes = float(tokens * h * E)
+    tp_out_kind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
+    params = layers * layer_params(job)
+
+    fwd_pre: list[Op] = []
+    fwd_post: list[Op] = []
+    bwd_pre: list[Op] = []
+    bwd_post: list[Op] = []
+    if first:
+        # vocab-parallel embedding: each rank looks up its rows, then the partial sums reduce
+        emb = memory_op("embedding", "other", 0, 2 * tokens * h * E)
+        fwd_pre += [emb, Collective("embedding_ar", tp_out_kind, "tp", job.tp, act_bytes)]
+        # backward: scatter-add of the output gradient into the embedding rows
+        bwd_post.append(memory_op("embedding_bwd", "other", tokens * h, 3 * tokens * h * E))
+        params += vocab_local * h
+    else:
+        fwd_pre.append(Collective("recv_activation", "send_recv", "pp", 2, act_bytes))
+        bwd_post.append(Collective("send_grad", "send_recv", "pp", 2, act_bytes))
+    if last:
+        norm = memory_op("final_norm", "norm", 4 * tokens * h, (2 * tokens * h + h) * E)
+        head = gemm("lm_head", tokens, vocab_local, h)
+        logits = tokens * vocab_local
+        # vocab-parallel cross-entropy: max, exp-sum, target logit; reads the bf16 logits
+        # twice and writes the fp32 softmax statistics
+        loss = memory_op("cross_entropy", "other", 5 * logits, 3 * logits * E)
+        stats = Collective("loss_ar", "all_reduce", "tp", job.tp, float(3 * tokens * 4))
+        fwd_post += [norm]
+        if job.sequence_parallel:
+            fwd_post.append(Collective("lm_head_ag", "all_gather", "tp", job.tp, act_bytes))
+        fwd_post += [head, loss, stats]
+        bwd_pre += [
+            memory_backward(loss),
+            gemm_backward(head),
+            Collective("lm_head_grad_ar", tp_out_kind, "tp", job.tp, act_bytes),
+            memory_backward(norm),
+        ]
+        params += vocab_local * h + h
+    else:
+        fwd_post.append(Collective("send_activation", "send_recv", "pp", 2, act_bytes))
+        bwd_pre.append(Collective("recv_grad", "send_recv", "pp", 2, act_bytes))
+
+    # Weights are replicated across DP and CP ranks, so gradients are reduced over both
+    # (Megatron's data-parallel group includes the context-parallel ranks); distributed
+    # optimizer: reduce-scatter the bf16 gradients, all-gather the updated bf16 parameters.
+    end: list[Op] = []
+    dp_group = (job.dp or 1) * job.cp
+    if dp_group > 1:
+        end += [
+            Collective("grad_rs", "reduce_scatter", "dp", dp_group, float(params * E)),
+            Collective("param_ag", "all_gather", "dp", dp_group, float(params * E)),
+        ]
+    return StageGraph(
+        index=index,
+        num_layers=layers,
+        forward_pre=tuple(fwd_pre),
+        forward_post=tuple(fwd_post),
+        backward_pre=tuple(bwd_pre),
+        backward_post=tuple(bwd_post),
+        iteration_end=tuple(end),
+        params=params,
+    )

@@ -1,0 +1,209 @@
+"""Op lists of one Llama-style decoder layer, one nanobatch, one TP rank.
+
+The layer is laid out as Megatron-Core with TransformerEngine runs it (FACTS §5):
+RMSNorm -> QKV (column parallel) -> [q/k RMSNorm] -> rotary -> [CP all-gather of K, V] ->
+causal flash attention -> output projection (row parallel) -> TP all-reduce (or, with
+sequence parallelism, reduce-scatter) -> residual + RMSNorm -> [SP all-gather] -> FC1
+(gate and up, column parallel) -> SwiGLU -> FC2 (row parallel) -> TP all-reduce.
+
+Conventions: bf16 (2 bytes per element); 2 FLOPs per multiply-add; causal attention counts
+half of full attention (with CP the load-balanced chunks average to the same half); a
+backward GEMM is 2x its forward (data gradient + weight gradient, two GEMMs); attention
+backward is 2.5x its forward; a memory-bound backward op is 2x its forward in FLOPs and
+bytes.
+
+Placement of the residual adds: the residual add after each block runs after its
+collective, so it opens the next segment; likewise the backward of a layer's input norm
+opens the next (lower) layer's backward. Shifting them keeps every layer's op list the same
+(so identical partitions share one key) and every op counted once per layer.
+"""
+
+from __future__ import annotations
+
+from kareus.spec import BYTES_PER_ELEMENT as E
+from kareus.spec import JobSpec
+from kareus.workload.ops import Collective, ComputeOp, GemmShape, Op
+
+
+def gemm(name: str, m: int, n: int, k: int) -> ComputeOp:
+    return ComputeOp(
+        name=name,
+        kind="gemm",
+        flops=2.0 * m * n * k,
+        bytes_=float(m * k + k * n + m * n) * E,
+        slot_class="linear",
+        gemm_shapes=((m, n, k),),
+    )
+
+
+def gemm_backward(fwd: ComputeOp) -> ComputeOp:
+    """Data gradient (m x k from m x n and n x k) then weight gradient (n x k over m)."""
+    shapes: list[GemmShape] = []
+    for m, n, k in fwd.gemm_shapes:
+        shapes += [(m, k, n), (n, k, m)]
+    flops = sum(2.0 * m * n * k for m, n, k in shapes)
+    bytes_ = sum(float(m * k + k * n + m * n) * E for m, n, k in shapes)
+    return ComputeOp(f"{fwd.name}_bwd", "gemm", flops, bytes_, "linear", tuple(shapes))
+
+
+def memory_op(name: str, slot_class, flops: float, bytes_: float) -> ComputeOp:
+    return ComputeOp(name, "memory", float(flops), float(bytes_), slot_class)
+
+
+def memory_backward(fwd: ComputeOp, name: str | None = None) -> ComputeOp:
+    return ComputeOp(name or f"{fwd.name}_bwd", "memory", 2 * fwd.flops, 2 * fwd.bytes_,
+                     fwd.slot_class)
+
+
+def _rmsnorm(name: str, tokens: int, width: int) -> ComputeOp:
+    # square, mean, rsqrt, scale, weight: ~4 FLOPs per element; read x, write y, read weight
+    return memory_op(name, "norm", 4 * tokens * width, (2 * tokens * width + width) * E)
+
+
+def _residual_add(name: str, tokens: int, width: int) -> ComputeOp:
+    return memory_op(name, "norm", tokens * width, 3 * tokens * width * E)
+
+
+class LayerShapes:
+    """Per-rank tensor sizes of one nanobatch, derived once from the job."""
+
+    def __init__(self, job: JobSpec) -> None:
+        m = job.model
+        self.job = job
+        self.b = job.nanobatch_size
+        self.s_local = job.local_seq_length
+        self.s_full = job.seq_length
+        self.tokens = self.b * self.s_local  # tokens one rank computes GEMMs on
+        # with sequence parallelism, norms and residuals run on a 1/tp shard of the tokens
+        self.norm_tokens = self.tokens // job.tp if job.sequence_parallel else self.tokens
+        self.h = m.hidden_size
+        self.d = m.head_dim
+        self.heads = job.local_heads
+        self.kv_heads = job.local_kv_heads
+        self.ffn = m.ffn_hidden_size // job.tp
+        self.activation_bytes = float(self.tokens * self.h * E)
+        # K and V of one CP rank, gathered across the CP group
+        self.kv_shard_bytes = float(2 * self.s_local * self.b * self.kv_heads * self.d * E)
+
+
+def _tp_closing(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collective:
+    """The collective after a row-parallel GEMM: all-reduce, or reduce-scatter with SP."""
+    kind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
+    return Collective(name, kind, "tp", job.tp, sh.activation_bytes, closes)
+
+
+def _sp_gather(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collective:
+    return Collective(name, "all_gather", "tp", job.tp, sh.activation_bytes, closes)
+
+
+def _cp_gather(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collective:
+    return Collective(name, "all_gather", "cp", job.cp, sh.kv_shard_bytes * job.cp, closes)
+
+
+def _cp_scatter(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collective:
+    return Collective(name, "reduce_scatter", "cp", job.cp, sh.kv_shard_bytes * job.cp, closes)
+
+
+def forward_ops(job: JobSpec) -> list[Op]:
+    """One layer's forward for one nanobatch on one rank, collectives in place."""
+    sh = LayerShapes(job)
+    sp, cp = job.sequence_parallel, job.cp > 1
+    t, h, d = sh.tokens, sh.h, sh.d
+    qk_elems = t * (sh.heads + sh.kv_heads) * d
+    q_elems = t * sh.heads * d
+    kv_elems = sh.b * sh.s_full * sh.kv_heads * d  # after the CP gather: the whole sequence
+
+    ops: list[Op] = [
+        _residual_add("residual_mlp", sh.norm_tokens, h),
+        _rmsnorm("input_norm", sh.norm_tokens, h),
+    ]
+    if sp:
+        ops.append(_sp_gather(job, "ln1_ag", "ln1", sh))
+    ops.append(gemm("qkv", t, (sh.heads + 2 * sh.kv_heads) * d, h))
+    if job.model.qk_norm:
+        ops.append(memory_op("qk_norm", "rope", 4 * qk_elems, 2 * qk_elems * E))
+    # rotary: two multiplies and an add per element of q and k; cos/sin tables are tiny
+    ops.append(memory_op("rope", "rope", 3 * qk_elems, 2 * qk_elems * E))
+    if cp:
+        ops.append(_cp_gather(job, "kv_ag", "qkv", sh))
+    ops.append(
+        ComputeOp(
+            "core_attn",
+            "attention",
+            # QK^T and PV, 2 FLOPs per MAC each, half of the score matrix (causal)
+            flops=2.0 * sh.b * sh.s_local * sh.s_full * sh.heads * d,
+            bytes_=float(2 * q_elems + 2 * kv_elems) * E,
+            slot_class="attn",
+        )
+    )
+    ops.append(gemm("out_proj", t, h, sh.heads * d))
+    ops.append(_tp_closing(job, "attn_ar" if not sp else "attn_rs", "ao" if cp else "attn", sh))
+    ops += [
+        _residual_add("residual_attn", sh.norm_tokens, h),
+        _rmsnorm("pre_mlp_norm", sh.norm_tokens, h),
+    ]
+    if sp:
+        ops.append(_sp_gather(job, "ln2_ag", "ln2", sh))
+    ops += [
+        gemm("fc1", t, 2 * sh.ffn, h),
+        # SwiGLU: silu(gate) * up, ~5 FLOPs per output; read gate and up, write one
+        memory_op("swiglu", "activation", 5 * t * sh.ffn, 3 * t * sh.ffn * E),
+        gemm("fc2", t, h, sh.ffn),
+        _tp_closing(job, "mlp_ar" if not sp else "mlp_rs", "mlp", sh),
+    ]
+    return ops
+
+
+def backward_ops(job: JobSpec, fwd: list[Op] | None = None) -> list[Op]:
+    """One layer's backward for one nanobatch on one rank (without the recomputed forward)."""
+    sh = LayerShapes(job)
+    sp, cp = job.sequence_parallel, job.cp > 1
+    f = {op.name: op for op in (fwd or forward_ops(job)) if not op.is_collective}
+    # The gradient of a forward all-reduce is an all-reduce at the input of the column-parallel
+    # GEMM; with SP, forward all-gather <-> backward reduce-scatter and vice versa.
+    in_grad_kind = "reduce_scatter" if sp else "all_reduce"
+
+    def grad_in(name: str, closes: str) -> Collective:
+        return Collective(name, in_grad_kind, "tp", job.tp, sh.activation_bytes, closes)
+
+    ops: list[Op] = [
+        memory_backward(f["input_norm"]),
+        memory_backward(f["residual_mlp"]),  # the residual branch's gradient accumulation
+    ]
+    if sp:
+        ops.append(_sp_gather(job, "mlp_out_grad_ag", "ln1", sh))
+    ops += [
+        gemm_backward(f["fc2"]),
+        memory_backward(f["swiglu"]),
+        gemm_backward(f["fc1"]),
+        grad_in("fc1_grad_ar" if not sp else "fc1_grad_rs", "mlp"),
+        memory_backward(f["pre_mlp_norm"]),
+        memory_backward(f["residual_attn"]),
+    ]
+    if sp:
+        ops.append(_sp_gather(job, "attn_out_grad_ag", "ln2", sh))
+    ops.append(gemm_backward(f["out_proj"]))
+    if cp:
+        # K and V are gathered again for the attention backward (all-gather mode keeps only
+        # the local shard), and dK, dV are reduce-scattered back to their owners.
+        ops.append(_cp_gather(job, "kv_regather", "o", sh))
+    attn = f["core_attn"]
+    ops.append(
+        ComputeOp(
+            "core_attn_bwd",
+            "attention",
+            flops=2.5 * attn.flops,
+            bytes_=2.0 * attn.bytes_,  # reads q, k, v, o, dO; writes dq, dk, dv
+            slot_class="attn",
+        )
+    )
+    if cp:
+        ops.append(_cp_scatter(job, "dkv_rs", "a", sh))
+    ops.append(memory_backward(f["rope"]))
+    if "qk_norm" in f:
+        ops.append(memory_backward(f["qk_norm"]))
+    ops += [
+        gemm_backward(f["qkv"]),
+        grad_in("qkv_grad_ar" if not sp else "qkv_grad_rs", "qkv" if cp else "attn"),
+    ]
+    return ops

@@ -1,0 +1,104 @@
+"""The two kinds of work in an execution graph: compute kernels and collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ComputeKind = Literal["gemm", "attention", "memory"]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
+Group = Literal["tp", "cp", "pp", "dp"]
+SlotClass = Literal["norm", "rope", "activation", "linear", "attn", "other"]
+
+GemmShape = tuple[int, int, int]
+"""(m, n, k): output m x n, reduction length k; FLOPs = 2 m n k."""
+
+
+@dataclass(frozen=True)
+class ComputeOp:
+    """One compute kernel (or a short fused run of them) on the compute stream.
+
+    ``flops`` and ``bytes_`` (HBM bytes read + written) are for the whole op; GEMM ops keep
+    their shapes so a backend can count thread-block tiles (a backward linear holds two
+    GEMMs: data gradient, then weight gradient).
+    """
+
+    name: str
+    kind: ComputeKind
+    flops: float
+    bytes_: float
+    slot_class: SlotClass
+    gemm_shapes: tuple[GemmShape, ...] = ()
+
+    @property
+    def is_collective(self) -> bool:
+        return False
+
+    def to_dict(self) -> dict:
+        d: dict = {"name": self.name, "kind": self.kind, "flops": self.flops, "bytes": self.bytes_}
+        if self.gemm_shapes:
+            d["gemm_shapes"] = [list(s) for s in self.gemm_shapes]
+        return d
+
+
+_SUFFIX = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "send_recv": "p2p"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A communication kernel over a process group.
+
+    ``bytes_`` follows the nccl-tests "size" convention: the whole buffer for all-reduce,
+    the gathered output for all-gather, the full input for reduce-scatter, the message for
+    send/recv. ``closes`` names the compute segment this collective ends (partitions are cut
+    at collectives).
+    """
+
+    name: str
+    kind: CollectiveKind
+    group: Group
+    group_size: int
+    bytes_: float
+    closes: str = ""
+
+    flops: float = 0.0
+
+    @property
+    def is_collective(self) -> bool:
+        return True
+
+    @property
+    def short_kind(self) -> str:
+        return _SUFFIX[self.kind]
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "group": self.group,
+            "group_size": self.group_size,
+            "flops": self.flops,
+            "bytes": self.bytes_,
+        }
+
+
+Op = ComputeOp | Collective
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The compute ops of one nanobatch between two collectives, and the collective ending it.
+
+    ``direction`` is "fwd" or "bwd" (a recomputed forward is "fwd"); ``layer`` is the layer's
+    position within the pass, used only for counting.
+    """
+
+    name: str
+    direction: str
+    ops: tuple[ComputeOp, ...]
+    collective: Collective | None
+    layer: int = 0
+
+    @property
+    def base_key(self) -> str:
+        return f"{self.direction}_{self.name}"

@@ -1,0 +1,131 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kareus.presets import MODEL_PRESETS
+from tests.conftest import run_cli
+
+
+def test_partitions_json_schema(cli):
+    r = cli("partitions", "--preset", "kareus-1", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["schema_version"] == 1
+    assert doc["job"]["tp"] == 8
+    keys = [p["key"] for p in doc["partitions"]]
+    assert keys == ["fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn"]
+    p = doc["partitions"][0]
+    for field in ("key", "direction", "count_per_stage", "compute_ops", "collective", "slots",
+                  "sm_choices"):
+        assert field in p
+    assert p["collective"]["bytes"] == 100_663_296
+    assert {"name", "kind", "flops", "bytes"} <= set(p["compute_ops"][0])
+    fwd = [q for q in doc["partitions"] if q["direction"] == "forward"]
+    layer_flops = sum(op["flops"] for q in fwd for op in q["compute_ops"])
+    assert layer_flops / 1e9 == pytest.approx(463.9, rel=0.01)
+
+
+def test_graph_json_per_gpu_iteration_flops(cli):
+    r = cli("graph", "--preset", "kareus-1", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    fwd = sum(op["flops"] for op in doc["layer"]["forward"])
+    bwd = sum((2.5 if op["kind"] == "attention" else 2.0) * op["flops"]
+              for op in doc["layer"]["forward"])
+    for stage, reported in zip(doc["stages"], doc["per_gpu_iteration_flops"]):
+        outside = sum(op["flops"] for part in ("forward_pre", "forward_post", "backward_pre",
+                                               "backward_post") for op in stage[part])
+        expected = 8 * (stage["num_layers"] * 2 * (2 * fwd + bwd) + outside)
+        assert reported == pytest.approx(expected, rel=0.01)
+
+
+def test_tables_render(cli):
+    for cmd in (["partitions", "-p", "kareus-2"], ["graph", "-p", "kareus-1"], ["presets"],
+                ["gpus"], ["gpus", "H200"]):
+        r = cli(*cmd)
+        assert r.code == 0, (cmd, r.err)
+        assert r.out.strip()
+
+
+def test_config_file_and_flags(cli, tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("preset: kareus-2\nnum_microbatches: 4\n")
+    r = cli("partitions", "--config", str(f), "--seq", "8192", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["job"]["seq_length"] == 8192 and r.json()["job"]["num_microbatches"] == 4
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--preset", "kareus-1", "--tp", "5"],
+        ["--preset", "kareus-2", "--seq", "4097"],
+        ["--preset", "kareus-1", "--layers-per-stage", "15,12"],
+        ["--preset", "kareus-1", "--layers-per-stage", "15,x"],
+        ["--preset", "kareus-1", "--mbs", "7"],
+        ["--preset", "kareus-1", "--dp", "3"],
+        ["--preset", "nope"],
+        ["--model", "gpt-17"],
+        ["--preset", "kareus-1", "--gpu", "V100"],
+        ["--preset", "kareus-1", "--freqs", "1411"],
+        ["--preset", "kareus-1", "--tp", "eight"],
+        ["--config", "/nonexistent/job.yaml"],
+        ["--model", "/nonexistent/config.json"],
+        [],
+    ],
+)
+def test_invalid_input_exits_2_with_one_line(cli, args):
+    r = cli("partitions", *args)
+    assert r.code == 2
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    assert "Traceback" not in r.err
+
+
+def test_console_script_reports_errors_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "kareus.cli", "partitions", "-p", "kareus-1",
+                        "--tp", "7"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "tp=7" in r.stderr
+
+
+job_args = st.fixed_dictionaries(
+    {},
+    optional={
+        "--model": st.sampled_from([*MODEL_PRESETS, "unknown-model"]),
+        "--tp": st.integers(-2, 40),
+        "--cp": st.integers(-1, 9),
+        "--pp": st.integers(-1, 90),
+        "--dp": st.integers(-1, 64),
+        "--mbs": st.integers(-2, 33),
+        "--seq": st.integers(-5, 70000),
+        "--microbatches": st.integers(-1, 64),
+        "--layers-per-stage": st.lists(st.integers(-1, 40), max_size=6).map(
+            lambda xs: ",".join(map(str, xs))),
+        "--gpu": st.sampled_from(["A100-40GB", "H100-SXM", "H200", "A40", "Z9000"]),
+        "--gpus-per-node": st.integers(-1, 16),
+        "--nodes": st.integers(-1, 16),
+        "--freqs": st.lists(st.integers(0, 2100), max_size=4).map(
+            lambda xs: ",".join(map(str, xs))),
+        "--sms-all-reduce": st.lists(st.integers(-1, 140), max_size=4).map(
+            lambda xs: ",".join(map(str, xs))),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=job_args, sp=st.booleans(), command=st.sampled_from(["partitions", "graph"]))
+def test_generated_jobs_never_crash(args, sp, command):
+    argv = [command, "--preset", "kareus-1", "--json", "--sp" if sp else "--no-sp"]
+    for flag, value in args.items():
+        argv += [flag, str(value)]
+    r = run_cli(*argv)
+    assert r.code in (0, 2), r.err
+    if r.code == 0:
+        json.loads(r.out)
+    else:
+        assert len(r.err.strip().splitlines()) == 1, r.err
+        assert "Traceback" not in r.err

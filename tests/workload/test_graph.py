@@ -1,0 +1,113 @@
+import pytest
+
+from kareus.sources import build_job
+from kareus.workload.graph import ExecutionGraph, layer_params
+
+
+def _graph(preset="kareus-1", **overrides):
+    return ExecutionGraph.from_job(build_job(preset, overrides=overrides))
+
+
+def test_kareus1_forward_flops_per_op():
+    g = _graph()
+    flops = {op.name: op.flops / 1e9 for op in g.layer_forward}
+    expected = {"qkv": 64.4, "out_proj": 38.7, "fc1": 206.2, "fc2": 103.1, "core_attn": 51.5}
+    for name, gflop in expected.items():
+        assert flops[name] == pytest.approx(gflop, rel=0.005), name
+    total = sum(op.flops for op in g.layer_forward) / 1e9
+    assert total == pytest.approx(463.9, rel=0.01)
+
+
+def test_kareus1_all_reduce_size():
+    g = _graph()
+    ars = [op for op in g.layer_forward if op.is_collective]
+    assert [op.kind for op in ars] == ["all_reduce", "all_reduce"]
+    assert all(op.bytes_ == 4 * 4096 * 3072 * 2 == 100_663_296 for op in ars)
+    assert all(op.group == "tp" and op.group_size == 8 for op in ars)
+
+
+def test_backward_is_twice_forward_and_attention_two_and_a_half():
+    g = _graph()
+    fwd = {op.name: op for op in g.layer_forward if not op.is_collective}
+    bwd = {op.name: op for op in g.layer_backward if not op.is_collective}
+    assert bwd["core_attn_bwd"].flops == pytest.approx(2.5 * fwd["core_attn"].flops)
+    for name in ("qkv", "out_proj", "fc1", "fc2", "rope", "swiglu", "input_norm"):
+        assert bwd[f"{name}_bwd"].flops == pytest.approx(2 * fwd[name].flops)
+    # a backward linear is two GEMMs: data gradient then weight gradient
+    assert bwd["fc1_bwd"].gemm_shapes == ((16384, 3072, 2048), (2048, 3072, 16384))
+
+
+def test_collectives_per_layer_without_sp():
+    g = _graph()
+    # two all-reduces forward, two backward (the recomputed forward repeats the forward's)
+    assert sum(op.is_collective for op in g.layer_forward) == 2
+    assert sum(op.is_collective for op in g.layer_backward) == 2
+
+
+def test_cp_all_gather_sizes():
+    g = _graph("kareus-2")
+    ag = next(op for op in g.layer_forward if op.kind == "all_gather")
+    # K and V each (s/cp) x b x (kv/tp) x d x 2 bytes per rank, gathered over cp=2
+    per_rank = 2 * (4096 // 2) * 4 * (8 // 4) * 128 * 2
+    assert ag.group == "cp" and ag.bytes_ == per_rank * 2
+    ar = next(op for op in g.layer_forward if op.kind == "all_reduce")
+    assert ar.bytes_ == 4 * 2048 * 3072 * 2
+    kinds = [(op.kind, op.group) for op in g.layer_backward if op.is_collective]
+    assert kinds == [("all_reduce", "tp"), ("all_gather", "cp"), ("reduce_scatter", "cp"),
+                     ("all_reduce", "tp")]
+
+
+def test_sequence_parallel_uses_gather_and_scatter():
+    g = _graph(sequence_parallel=True)
+    kinds = [op.kind for op in g.layer_forward if op.is_collective]
+    assert kinds == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter"]
+    norm = next(op for op in g.layer_forward if op.name == "input_norm")
+    assert norm.flops == pytest.approx(4 * (4 * 4096 // 8) * 3072)
+
+
+def test_qwen3_has_qk_norm():
+    names = [op.name for op in _graph("kareus-5").layer_forward]
+    assert names.index("qkv") < names.index("qk_norm") < names.index("rope")
+
+
+def test_iteration_flops_follow_the_counting_rule():
+    g = _graph()
+    job = g.job
+    fwd_nb = sum(op.flops for op in g.layer_forward)
+    bwd_nb = sum((2.5 if op.kind == "attention" else 2.0) * op.flops for op in g.layer_forward)
+    per_layer = 2 * (fwd_nb + fwd_nb + bwd_nb)  # two nanobatches: forward, recompute, backward
+    for stage, got in zip(g.stages, g.per_gpu_iteration_flops):
+        outside = sum(op.flops for ops in (stage.forward_pre, stage.forward_post,
+                                           stage.backward_pre, stage.backward_post)
+                      for op in ops)
+        expected = job.num_microbatches * (stage.num_layers * per_layer + outside)
+        assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_lm_head_and_embedding_on_the_right_stages():
+    g = _graph()
+    first, last = g.stages
+    assert [op.name for op in first.forward_pre] == ["embedding", "embedding_ar"]
+    assert "lm_head" in [op.name for op in last.forward_post]
+    head = next(op for op in last.forward_post if op.name == "lm_head")
+    assert head.gemm_shapes == ((8 * 4096, 128256 // 8, 3072),)
+    assert [op.name for op in first.forward_post] == ["send_activation"]
+    assert [op.name for op in last.forward_pre] == ["recv_activation"]
+
+
+def test_parameter_count_matches_the_model():
+    g = _graph()
+    job = g.job
+    total = sum(s.params for s in g.stages) * job.tp
+    # Llama 3.2 3B with untied embeddings: 3.21 B + 0.39 B output head; replicated norms
+    # are counted once per TP rank, hence the tolerance
+    assert total / 1e9 == pytest.approx(3.61, rel=0.02)
+    assert layer_params(job) * job.tp == pytest.approx(100.7e6, rel=0.01)
+
+
+def test_dp_sync_only_when_weights_are_replicated():
+    assert all(not s.iteration_end for s in _graph().stages)
+    cp = _graph("kareus-2")
+    assert all(op.group_size == 2 for s in cp.stages for op in s.iteration_end)
+    dp = _graph(nodes=4)
+    assert [op.kind for op in dp.stages[0].iteration_end] == ["reduce_scatter", "all_gather"]
