@@ -67,10 +67,10 @@ def _residual_add(name: str, tokens: int, width: int) -> ComputeOp:
 class LayerShapes:
     """Per-rank tensor sizes of one nanobatch, derived once from the job."""
 
-    def __init__(self, job: JobSpec) -> None:
+    def __init__(self, job: JobSpec, sequences: int | None = None) -> None:
         m = job.model
         self.job = job
-        self.b = job.nanobatch_size
+        self.b = sequences or job.nanobatch_size
         self.s_local = job.local_seq_length
         self.s_full = job.seq_length
         self.tokens = self.b * self.s_local  # tokens one rank computes GEMMs on
@@ -104,9 +104,10 @@ def _cp_scatter(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collec
     return Collective(name, "reduce_scatter", "cp", job.cp, sh.kv_shard_bytes * job.cp, closes)
 
 
-def forward_ops(job: JobSpec) -> list[Op]:
-    """One layer's forward for one nanobatch on one rank, collectives in place."""
-    sh = LayerShapes(job)
+def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
+    """One layer's forward for one nanobatch (or ``sequences`` sequences) on one rank,
+    collectives in place."""
+    sh = LayerShapes(job, sequences)
     sp, cp = job.sequence_parallel, job.cp > 1
     t, h, d = sh.tokens, sh.h, sh.d
     qk_elems = t * (sh.heads + sh.kv_heads) * d
@@ -154,11 +155,13 @@ def forward_ops(job: JobSpec) -> list[Op]:
     return ops
 
 
-def backward_ops(job: JobSpec, fwd: list[Op] | None = None) -> list[Op]:
-    """One layer's backward for one nanobatch on one rank (without the recomputed forward)."""
-    sh = LayerShapes(job)
+def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | None = None
+                 ) -> list[Op]:
+    """One layer's backward for one nanobatch (or ``sequences`` sequences) on one rank,
+    without the recomputed forward."""
+    sh = LayerShapes(job, sequences)
     sp, cp = job.sequence_parallel, job.cp > 1
-    f = {op.name: op for op in (fwd or forward_ops(job)) if not op.is_collective}
+    f = {op.name: op for op in (fwd or forward_ops(job, sequences)) if not op.is_collective}
     # The gradient of a forward all-reduce is an all-reduce at the input of the column-parallel
     # GEMM; with SP, forward all-gather <-> backward reduce-scatter and vice versa.
     in_grad_kind = "reduce_scatter" if sp else "all_reduce"

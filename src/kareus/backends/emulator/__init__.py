@@ -1,0 +1,6 @@
+"""The built-in GPU emulator backend (no GPU needed)."""
+
+from kareus.backends.emulator.backend import EmulatorBackend
+from kareus.backends.emulator.params import EmulatorParams
+
+__all__ = ["EmulatorBackend", "EmulatorParams"]

@@ -1,0 +1,204 @@
+"""Public anchors (FACTS.md) next to the emulator's values: `kareus calibrate`.
+
+Each anchor names its source, the published value, the emulated value and the relative
+error; tests bound every error (tests/backends/emulator/test_anchors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kareus.backends.emulator.backend import EmulatorBackend
+from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.execution import ExecutionPlan
+from kareus.hardware import get_gpu
+from kareus.partition import PartitionSet
+from kareus.sources import build_job
+from kareus.workload.layer import gemm
+from kareus.workload.ops import Collective, ComputeOp
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Anchor:
+    name: str
+    source: str
+    unit: str
+    published: float
+    emulated: float
+
+    @property
+    def rel_error(self) -> float:
+        return (self.emulated - self.published) / self.published
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "source": self.source, "unit": self.unit,
+                "published": self.published, "emulated": self.emulated,
+                "rel_error": self.rel_error}
+
+
+def _backend(gpu: str, calibration: str | Path | None) -> EmulatorBackend:
+    spec = get_gpu(gpu)
+    # a calibration file fitted for another GPU must not be applied to this one
+    return EmulatorBackend(gpu=spec, calibration=calibration if _for_gpu(calibration, spec.name)
+                           else None)
+
+
+def _for_gpu(calibration: str | Path | None, gpu: str) -> bool:
+    if calibration is None:
+        return False
+    import json
+
+    try:
+        return json.loads(Path(calibration).read_text()).get("gpu") in (None, gpu)
+    except (OSError, ValueError, AttributeError):
+        return True  # let load_params report the problem
+
+
+def gemm_anchor(calibration=None) -> list[Anchor]:
+    b = _backend("A100-40GB", calibration)
+    op = gemm("gemm_8192", 8192, 8192, 8192)
+    m = b.run_ops((op,), 1410)
+    return [
+        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, throughput", "FACTS §1 (random inputs)",
+               "TFLOP/s", 258.0, op.flops / m.time_s / 1e12),
+        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, power", "FACTS §1 (at the 400 W limit)",
+               "W", 400.0, m.avg_power_w),
+    ]
+
+
+def memory_anchor(calibration=None) -> list[Anchor]:
+    b = _backend("A100-40GB", calibration)
+    op = ComputeOp("stream_1GiB", "memory", 0.0, float(1024 * MiB), "other")
+    hi, lo = b.run_ops((op,), 1410), b.run_ops((op,), 900)
+    return [
+        Anchor("A100 memory-bound kernel, time at 900 / at 1410 MHz", "FACTS §2 (flat)",
+               "ratio", 1.0, lo.time_s / hi.time_s),
+        Anchor("A100 memory-bound kernel at full utilisation, power", "FACTS §1 (~327 W)",
+               "W", 327.0, hi.avg_power_w),
+    ]
+
+
+def a40_profile_anchor(calibration=None) -> list[Anchor]:
+    """The Perseus A40 stage profile, compared as ratios (the published model is not ours)."""
+    job = build_job(overrides=dict(model="llama3.2-3b", tp=1, pp=4, micro_batch_size=2,
+                                   seq_length=2048, recompute=False, gpu="A40",
+                                   gpus_per_node=4, nodes=1, num_microbatches=4))
+    ps = PartitionSet.from_job(job)
+    b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, "A40") else None)
+    sim = IterationSimulator(ps, b)
+    plan = ExecutionPlan("megatron", overlap=False, default_freq_mhz=1740)
+
+    def instr(direction: str, f: int):
+        return sim.instruction(plan, 1, direction, f)
+
+    f1740, f1710 = instr("forward", 1740), instr("forward", 1710)
+    b1740, b1710 = instr("backward", 1740), instr("backward", 1710)
+    b690, b660 = instr("backward", 690), instr("backward", 660)
+    src = "FACTS §2, Perseus A40 profile"
+    return [
+        Anchor("A40 forward at 1740 MHz, mean power", src, "W", 304.0, f1740.avg_power_w),
+        Anchor("A40 forward time, 1710 / 1740 MHz", src, "ratio", 0.0938 / 0.0937,
+               f1710.time_s / f1740.time_s),
+        Anchor("A40 backward time, 1710 / 1740 MHz", src, "ratio", 0.2455 / 0.2453,
+               b1710.time_s / b1740.time_s),
+        Anchor("A40 backward power, 1710 / 1740 MHz", src, "ratio", 281 / 284,
+               b1710.avg_power_w / b1740.avg_power_w),
+        Anchor("A40 backward time, 690 / 1740 MHz", src, "ratio", 0.4185 / 0.2453,
+               b690.time_s / b1740.time_s),
+        Anchor("A40 backward energy, 690 / 1740 MHz", src, "ratio", 68.12 / 69.57,
+               b690.energy_j / b1740.energy_j),
+        Anchor("A40 backward energy, 660 / 690 MHz (rising again)", src, "ratio",
+               69.40 / 68.12, b660.energy_j / b690.energy_j),
+    ]
+
+
+def nccl_anchor(calibration=None) -> list[Anchor]:
+    b = _backend("A100-40GB", calibration)
+    rs = Collective("rs_32MiB", "reduce_scatter", "tp", 8, float(32 * MiB))
+    out = []
+    for ctas, published in ((8, 105.0), (16, 181.0), (32, 206.0)):
+        m = b.run_ops((rs,), 1410, blocking_sms=ctas)
+        out.append(Anchor(f"A100 8-GPU ReduceScatter 32 MiB, {ctas} CTAs", "FACTS §3",
+                          "GB/s algbw", published, rs.bytes_ / m.time_s / 1e9))
+    return out
+
+
+def comm_power_anchor(calibration=None) -> list[Anchor]:
+    b = _backend("A100-40GB", calibration)
+    ar = Collective("ar_96MiB", "all_reduce", "tp", 8, float(96 * MiB))
+    m = b.run_ops((ar,), 1410, blocking_sms=32)
+    return [Anchor("A100 communication-only power (AllReduce 96 MiB, 32 CTAs)",
+                   "FACTS §3 (close to the 85 W static power)", "W", 85.0, m.avg_power_w)]
+
+
+def overlap_anchor(calibration=None) -> list[Anchor]:
+    out = []
+    h100 = _backend("H100-SXM", calibration)
+    # 12 x 11 tiles of 128 x 256: exactly 132 CTAs, one wave
+    g = gemm("gemm_132_ctas", 12 * 128, 11 * 256, 8192)
+    ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
+    alone = h100.run_ops((g,), 1980)
+    gemm_time = _compute_stream_time(h100, (g,), ag, 24)
+    out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "FACTS §3",
+                      "x", 2.0, gemm_time / alone.time_s))
+    h200 = _backend("H200", calibration)
+    g = gemm("gemm_8192x3072x3072", 8192, 3072, 3072)
+    alone = h200.run_ops((g,), 1980).time_s
+    sr = Collective("sendrecv", "send_recv", "pp", 2, float(256 * MiB))
+    ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
+    for name, coll, ctas, published in (("SendRecv (8 CTAs)", sr, 8, 1.155),
+                                        ("AllGather (24 CTAs)", ag, 24, 1.287)):
+        t = _compute_stream_time(h200, (g,), coll, ctas)
+        out.append(Anchor(f"H200 8192x3072x3072 GEMM under {name}, slowdown", "FACTS §3",
+                          "x", published, t / alone))
+    return out
+
+
+def _compute_stream_time(b: EmulatorBackend, ops, coll: Collective, sms: int) -> float:
+    """When the compute stream finishes with ``coll`` launched alongside from the start."""
+    return b.timeline.run(ops, b.gpu.max_freq_mhz, side=coll, side_sms=sms,
+                          launch_index=0).compute_end_s
+
+
+def hopper_clock_anchor(calibration=None) -> list[Anchor]:
+    b = _backend("H200", calibration)
+    m = b.run_ops((gemm("gemm_8192", 8192, 8192, 8192),), 1830)
+    return [Anchor("H200 GEMM at a locked 1830 MHz, sustained clock at 700 W", "FACTS §1",
+                   "MHz", 1500.0, m.effective_freq_mhz)]
+
+
+def iteration_anchor(calibration=None) -> list[Anchor]:
+    job = build_job("kareus-1")
+    ps = PartitionSet.from_job(job)
+    b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, job.gpu)
+                        else None)
+    r = IterationSimulator(ps, b).run(ExecutionPlan("megatron", False, 1410))
+    src = "FACTS §5, Kareus artifact prediction (sanity range +-20%)"
+    return [
+        Anchor("kareus-1 Megatron iteration time at max clock", src, "s", 5.1, r.time_s),
+        Anchor("kareus-1 Megatron mean power per GPU", src, "W", 275.0,
+               r.mean_power_per_gpu_w),
+    ]
+
+
+ANCHOR_GROUPS: dict[str, Callable[..., list[Anchor]]] = {
+    "gemm": gemm_anchor,
+    "memory": memory_anchor,
+    "a40_profile": a40_profile_anchor,
+    "nccl": nccl_anchor,
+    "comm_power": comm_power_anchor,
+    "overlap": overlap_anchor,
+    "hopper_clock": hopper_clock_anchor,
+    "iteration": iteration_anchor,
+}
+
+
+def all_anchors(calibration: str | Path | None = None) -> list[Anchor]:
+    out: list[Anchor] = []
+    for fn in ANCHOR_GROUPS.values():
+        out += fn(calibration)
+    return out

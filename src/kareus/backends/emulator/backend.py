@@ -1,0 +1,127 @@
+"""The emulator backend: measurements computed by the timeline instead of a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kareus.backends.base import Knobs, Measurement, MeasurementProtocol
+from kareus.backends.emulator.params import EmulatorParams, load_params
+from kareus.backends.emulator.physics import GPUPhysics
+from kareus.backends.emulator.timeline import RunResult, Timeline
+from kareus.errors import SpecError
+from kareus.hardware import GPUSpec, get_gpu
+from kareus.partition import Partition
+from kareus.spec import JobSpec
+from kareus.workload.ops import Op
+
+
+def internode_groups(job: JobSpec) -> frozenset[str]:
+    """Groups whose collectives cross nodes, for Megatron's rank order tp-cp-dp-pp."""
+    groups = set()
+    stage_ranks = job.tp * job.cp * (job.dp or 1)
+    if job.nodes > 1 and stage_ranks >= job.gpus_per_node:
+        groups.add("pp")  # consecutive stages sit on different nodes
+    if stage_ranks > job.gpus_per_node:
+        groups.add("dp")  # the gradient-sync group spans nodes
+    return frozenset(groups)
+
+
+class EmulatorBackend:
+    """Deterministic for a seed; ``noise`` adds that relative standard deviation to the time
+    and to the dynamic energy of every measurement (0: exact)."""
+
+    name = "emulator"
+
+    def __init__(
+        self,
+        job: JobSpec | None = None,
+        gpu: GPUSpec | str | None = None,
+        params: EmulatorParams | None = None,
+        calibration: str | Path | None = None,
+        noise: float = 0.0,
+        seed: int = 0,
+        protocol: MeasurementProtocol | None = None,
+    ) -> None:
+        if gpu is None:
+            gpu = job.gpu_spec if job is not None else get_gpu("A100-40GB")
+        self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+        self.params = params or load_params(self.gpu, calibration)
+        if noise < 0 or noise > 0.5:
+            raise SpecError(f"noise must be between 0 and 0.5, got {noise}")
+        self.noise = noise
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self.protocol = protocol or MeasurementProtocol()
+        self.static_power_w = self.gpu.static_power_w
+        self.physics = GPUPhysics(self.gpu, self.params)
+        groups = internode_groups(job) if job is not None else frozenset()
+        self.timeline = Timeline(self.physics, self.static_power_w, self.gpu.tdp_w, groups)
+        self._cache: dict = {}
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[int, ...]:
+        return self.gpu.clock_table_mhz
+
+    @property
+    def default_sms(self) -> int:
+        return self.params.default_comm_sms
+
+    # Backend protocol ----------------------------------------------------------------------
+
+    def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
+        return self._noisy(self.measure_exact(partition, knobs))
+
+    def measure_op(self, op: Op, freq_mhz: int) -> Measurement:
+        return self._noisy(self.run_ops((op,), freq_mhz))
+
+    # Exact (noise-free) measurements, cached -------------------------------------------------
+
+    def measure_exact(self, partition: Partition, knobs: Knobs) -> Measurement:
+        self.check_knobs(knobs)
+        launch = partition.launch_index(knobs.slot)
+        key = ("p", partition.compute_ops, partition.collective, knobs.freq_mhz, knobs.sms,
+               launch)
+        hit = self._cache.get(key)
+        if hit is None:
+            r = self.timeline.run(partition.compute_ops, knobs.freq_mhz,
+                                  side=partition.collective, side_sms=knobs.sms,
+                                  launch_index=launch)
+            hit = self._cache[key] = self._to_measurement(r)
+        return hit
+
+    def run_ops(self, ops: Sequence[Op], freq_mhz: int, blocking_sms: int | None = None
+                ) -> Measurement:
+        """Ops back to back on the compute stream; collectives among them block it."""
+        self.gpu.check_freq(freq_mhz)
+        sms = blocking_sms or self.default_sms
+        key = ("s", tuple(ops), freq_mhz, sms)
+        hit = self._cache.get(key)
+        if hit is None:
+            r = self.timeline.run(tuple(ops), freq_mhz, blocking_sms=sms)
+            hit = self._cache[key] = self._to_measurement(r)
+        return hit
+
+    def check_knobs(self, knobs: Knobs) -> None:
+        self.gpu.check_freq(knobs.freq_mhz)
+        if not 1 <= knobs.sms < self.gpu.sm_count:
+            raise SpecError(
+                f"{knobs.sms} SMs for the collective: use 1..{self.gpu.sm_count - 1} on "
+                f"{self.gpu.name}"
+            )
+
+    def _to_measurement(self, r: RunResult) -> Measurement:
+        f_mean = r.freq_time_mhz_s / r.time_s if r.time_s > 0 else 0.0
+        return Measurement.from_time_energy(r.time_s, r.energy_j, self.static_power_w, f_mean)
+
+    def _noisy(self, m: Measurement) -> Measurement:
+        if self.noise == 0:
+            return m
+        eps_t, eps_e = self._rng.normal(0.0, self.noise, size=2)
+        t = m.time_s * max(0.05, 1.0 + eps_t)
+        dyn = max(0.0, m.dynamic_energy_j * (1.0 + eps_e))
+        # static energy follows the measured time, so energy never falls below static x time
+        return Measurement.from_time_energy(t, dyn + self.static_power_w * t,
+                                            self.static_power_w, m.effective_freq_mhz)

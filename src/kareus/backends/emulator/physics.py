@@ -1,0 +1,196 @@
+"""Rates and power of kernels sharing one GPU during one interval of the timeline.
+
+An interval is a stretch of time in which the set of running kernels does not change: at
+most one compute kernel (or a launch gap) on the compute stream and at most one collective
+on the communication stream. Given the set clock, this module answers: how long would
+each kernel take at the current rates, and how much power does the GPU draw; and if that
+power exceeds TDP, at which (lower) clock does it actually run.
+
+Equations and constants: docs/emulator.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams
+from kareus.hardware import GPUSpec
+from kareus.workload.ops import Collective, ComputeOp
+
+_SHARE_X = np.array([x for x, _ in MEMORY_SM_SHARE])
+_SHARE_Y = np.array([y for _, y in MEMORY_SM_SHARE])
+
+
+def bus_factor(kind: str, ranks: int) -> float:
+    """nccl-tests bus bandwidth / algorithm bandwidth (FACTS §3)."""
+    if kind == "all_reduce":
+        return 2.0 * (ranks - 1) / ranks
+    if kind in ("all_gather", "reduce_scatter"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def ring_steps(kind: str, ranks: int) -> int:
+    if kind == "all_reduce":
+        return 2 * (ranks - 1)
+    if kind in ("all_gather", "reduce_scatter"):
+        return ranks - 1
+    return 1
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """A kernel's full duration at the interval's rates, and what it draws meanwhile."""
+
+    duration_s: float
+    hbm_bytes_s: float
+    sm_power_w: float
+    link_power_w: float = 0.0
+
+
+class GPUPhysics:
+    """Kernel rates and power for one GPU model and one parameter set."""
+
+    def __init__(self, gpu: GPUSpec, params: EmulatorParams) -> None:
+        self.gpu = gpu
+        self.p = params
+        self.n_sm = gpu.sm_count
+        self.f_max = float(gpu.max_freq_mhz)
+        self.hbm_bw = gpu.hbm_bandwidth_bytes_s * params.hbm_efficiency
+        self.clock_table = np.array(gpu.clock_table_mhz[::-1], dtype=float)  # ascending
+        self.intra_link = params.coll_link_busbw_bytes_s
+        self.inter_link = 0.9 * gpu.internode_bytes_s
+
+    # Voltage and per-SM dynamic power ------------------------------------------------------
+
+    def voltage(self, f_mhz: float) -> float:
+        """V(f) / V(f_max): flat below the knee, rising quadratically to 1 at max clock."""
+        p = self.p
+        knee = p.voltage_knee_fraction * self.f_max
+        if f_mhz <= knee:
+            return p.voltage_floor
+        x = min(1.0, (f_mhz - knee) / (self.f_max - knee))
+        return p.voltage_floor + (1.0 - p.voltage_floor) * x * x
+
+    def sm_power_scale(self, f_mhz: float) -> float:
+        """Dynamic power of one fully active SM at f, relative to max clock: V(f)^2 f."""
+        v = self.voltage(f_mhz)
+        return v * v * f_mhz / self.f_max
+
+    # Compute kernels -------------------------------------------------------------------------
+
+    def compute_time(self, op: ComputeOp, f_mhz: float, sms: int) -> float:
+        """Time the op's arithmetic (or instruction issue) needs on ``sms`` SMs at f."""
+        p = self.p
+        flop_rate_per_sm = self.gpu.flop_per_clock_per_sm * f_mhz * 1e6
+        if op.kind == "gemm":
+            total = 0.0
+            for m, n, k in op.gemm_shapes:
+                tiles = math.ceil(m / p.gemm_tile_m) * math.ceil(n / p.gemm_tile_n)
+                waves = math.ceil(tiles / sms)
+                tile_flops = 2.0 * p.gemm_tile_m * p.gemm_tile_n * k
+                total += waves * tile_flops / (flop_rate_per_sm * p.gemm_efficiency)
+            return total
+        if op.kind == "attention":
+            eff = p.attention_bwd_efficiency if op.name.endswith("_bwd") else (
+                p.attention_efficiency)
+            return op.flops / (flop_rate_per_sm * sms * eff)
+        # memory-bound: instruction issue, clock- and SM-bound, a fraction of its memory time
+        return (p.memory_issue_fraction * op.bytes_ / self.hbm_bw
+                * (self.f_max / f_mhz) * (self.n_sm / sms))
+
+    def active_sms(self, op: ComputeOp, sms: int) -> float:
+        """Mean number of SMs a kernel keeps busy (a GEMM's last wave is partial)."""
+        if op.kind != "gemm":
+            return float(sms)
+        tiles_total, waves_total = 0, 0
+        for m, n, _k in op.gemm_shapes:
+            tiles = math.ceil(m / self.p.gemm_tile_m) * math.ceil(n / self.p.gemm_tile_n)
+            tiles_total += tiles
+            waves_total += math.ceil(tiles / sms)
+        return min(float(sms), tiles_total / max(1, waves_total))
+
+    def memory_bandwidth(self, op: ComputeOp, sms: int) -> float:
+        """HBM bandwidth the op can pull with ``sms`` SMs (memory-level parallelism)."""
+        if op.kind != "memory" or sms >= self.n_sm:
+            return self.hbm_bw
+        return self.hbm_bw * float(np.interp(sms / self.n_sm, _SHARE_X, _SHARE_Y))
+
+    def compute_rate(self, op: ComputeOp, f_mhz: float, sms: int, hbm_alloc: float
+                     ) -> KernelRate:
+        t_comp = self.compute_time(op, f_mhz, sms)
+        bw = min(hbm_alloc, self.memory_bandwidth(op, sms))
+        t_mem = op.bytes_ / bw if op.bytes_ > 0 else 0.0
+        duration = max(t_comp, t_mem, 1e-9)
+        busy = t_comp / duration
+        activity = {"gemm": self.p.activity_gemm, "attention": self.p.activity_attention,
+                    "memory": self.p.activity_memory}[op.kind]
+        sm_power = (self.p.sm_dynamic_power_w * self.active_sms(op, sms) / self.n_sm
+                    * self.sm_power_scale(f_mhz) * (self.p.sm_base_activity + activity * busy))
+        return KernelRate(duration, op.bytes_ / duration, sm_power)
+
+    def compute_hbm_demand(self, op: ComputeOp, f_mhz: float, sms: int) -> float:
+        return self.compute_rate(op, f_mhz, sms, self.hbm_bw).hbm_bytes_s
+
+    # Collectives -------------------------------------------------------------------------------
+
+    def coll_latency(self, coll: Collective) -> float:
+        if coll.kind == "send_recv":
+            return self.p.p2p_latency_s
+        return ring_steps(coll.kind, coll.group_size) * self.p.coll_step_latency_s
+
+    def coll_busbw(self, coll: Collective, f_mhz: float, sms: int, internode: bool) -> float:
+        """Bus bandwidth: concave in CTAs, saturating at the link (smooth minimum)."""
+        p = self.p
+        link = self.inter_link if internode else self.intra_link
+        cta = sms * p.coll_cta_busbw_bytes_s * (f_mhz / self.f_max) ** p.coll_clock_exponent
+        q = p.coll_smoothness
+        return (cta ** -q + link ** -q) ** (-1.0 / q)
+
+    def hbm_per_bus_byte(self, coll: Collective) -> float:
+        reducing = coll.kind in ("all_reduce", "reduce_scatter")
+        return self.p.coll_hbm_per_bus_byte if reducing else 2.0
+
+    def coll_bus_bytes(self, coll: Collective) -> float:
+        return coll.bytes_ * bus_factor(coll.kind, coll.group_size)
+
+    def coll_rate(self, coll: Collective, f_mhz: float, sms: int, hbm_alloc: float,
+                  internode: bool) -> KernelRate:
+        """Rate of the transfer phase (the latency phase is a fixed-duration gap)."""
+        busbw = self.coll_busbw(coll, f_mhz, sms, internode)
+        k = self.hbm_per_bus_byte(coll)
+        busbw = min(busbw, hbm_alloc / k)
+        bus_bytes = self.coll_bus_bytes(coll)
+        duration = max(bus_bytes / busbw, 1e-9)
+        sm_power = (self.p.sm_dynamic_power_w * sms / self.n_sm * self.sm_power_scale(f_mhz)
+                    * self.p.activity_collective)
+        link = self.inter_link if internode else self.intra_link
+        return KernelRate(duration, k * busbw, sm_power, self.p.link_power_w * busbw / link)
+
+    def coll_hbm_demand(self, coll: Collective, f_mhz: float, sms: int, internode: bool
+                        ) -> float:
+        return self.hbm_per_bus_byte(coll) * self.coll_busbw(coll, f_mhz, sms, internode)
+
+    def coll_latency_power(self, sms: int, f_mhz: float) -> float:
+        return (self.p.sm_dynamic_power_w * sms / self.n_sm * self.sm_power_scale(f_mhz)
+                * self.p.activity_collective)
+
+    # HBM sharing and throttling ------------------------------------------------------------------
+
+    def share_hbm(self, demand_a: float, demand_b: float) -> tuple[float, float]:
+        """Max-min fair split of HBM bandwidth between two kernels."""
+        total = self.hbm_bw
+        if demand_a + demand_b <= total:
+            return total, total  # no contention: each is limited only by itself
+        half = total / 2
+        if demand_a <= half:
+            return demand_a, total - demand_a
+        if demand_b <= half:
+            return total - demand_b, demand_b
+        return half, half
+
+    def hbm_power(self, hbm_bytes_s: float) -> float:
+        return self.p.hbm_power_w * min(1.0, hbm_bytes_s / self.gpu.hbm_bandwidth_bytes_s)
