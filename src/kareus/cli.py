@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kareus import SCHEMA_VERSION, __version__
+from kareus.backends.base import Knobs, Measurement
 from kareus.cli_job import with_job
 from kareus.errors import KareusError
 from kareus.hardware import get_gpu, gpu_names
@@ -194,6 +195,174 @@ def gpus(
     if name:
         for key, note in specs[0].notes.items():
             console.print(f"  {key}: {note}")
+
+
+# Backend options ------------------------------------------------------------------------
+
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="Where measurements come from: emulator (no GPU needed).")]
+NoiseOpt = Annotated[float, typer.Option(
+    "--noise", help="Emulator measurement noise: relative std of time and dynamic energy.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of everything random.")]
+CalibrationOpt = Annotated[Optional[str], typer.Option(
+    "--calibration", help="JSON file of fitted emulator parameters.")]
+
+
+def make_backend(job: JobSpec, backend: str, noise: float, seed: int,
+                 calibration: Optional[str]):
+    if backend != "emulator":
+        raise KareusError(f"unknown backend {backend!r}; available: emulator")
+    from kareus.backends.emulator import EmulatorBackend
+
+    return EmulatorBackend(job, calibration=calibration, noise=noise, seed=seed)
+
+
+def _measurement_row(m: Measurement) -> list[str]:
+    return [f"{m.time_s * 1e3:,.3f}", f"{m.energy_j:,.4f}", f"{m.dynamic_energy_j:,.4f}",
+            f"{m.static_energy_j:,.4f}", f"{m.avg_power_w:,.1f}", f"{m.effective_freq_mhz:,.0f}"]
+
+
+_MEASUREMENT_COLUMNS = ("time ms", "energy J", "dynamic J", "static J", "power W",
+                        "clock MHz")
+
+
+def _slot_arg(slot: str) -> Optional[str]:
+    return None if slot.lower() in ("none", "") else slot
+
+
+@app.command()
+@with_job
+def measure(
+    job: JobSpec,
+    partition: Annotated[str, typer.Option("--partition", help="Partition key.")],
+    freq: Annotated[int, typer.Option("--freq", help="SM clock in MHz.")],
+    sms: Annotated[int, typer.Option("--sms", help="SMs (CTAs) of the collective.")],
+    slot: Annotated[str, typer.Option(
+        "--slot", help="Launch the collective before this slot; none: no overlap.")] = "none",
+    backend: BackendOpt = "emulator",
+    noise: NoiseOpt = 0.0,
+    seed: SeedOpt = 0,
+    calibration: CalibrationOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Measure one partition at one knob setting."""
+    ps = PartitionSet.from_job(job)
+    p = ps[partition]
+    knobs = Knobs(freq, sms, _slot_arg(slot))
+    p.launch_index(knobs.slot)  # validates the slot
+    m = make_backend(job, backend, noise, seed, calibration).measure(p, knobs)
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
+                    "freq_mhz": knobs.freq_mhz, "sms": knobs.sms, "slot": knobs.slot,
+                    **m.to_dict()})
+        return
+    table = Table(title=f"{p.key} at {knobs.label()}")
+    for col in _MEASUREMENT_COLUMNS:
+        table.add_column(col, justify="right")
+    table.add_row(*_measurement_row(m))
+    console.print(table)
+
+
+@app.command()
+@with_job
+def sweep(
+    job: JobSpec,
+    partition: Annotated[str, typer.Option("--partition", help="Partition key.")],
+    backend: BackendOpt = "emulator",
+    noise: NoiseOpt = 0.0,
+    seed: SeedOpt = 0,
+    calibration: CalibrationOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Measure every knob setting of a partition (frequency x SMs x launch slot)."""
+    from kareus.pareto import pareto_mask
+
+    ps = PartitionSet.from_job(job)
+    p = ps[partition]
+    be = make_backend(job, backend, noise, seed, calibration)
+    points = []
+    for f in job.freqs_mhz:
+        for n in p.sm_choices:
+            for slot in p.launch_options:
+                m = be.measure(p, Knobs(f, n, slot))
+                points.append({"freq_mhz": f, "sms": n, "slot": slot, "time_s": m.time_s,
+                               "energy_j": m.energy_j,
+                               "dynamic_energy_j": m.dynamic_energy_j,
+                               "avg_power_w": m.avg_power_w})
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
+                    "job": job.model_dump(mode="json"), "points": points})
+        return
+    mask = pareto_mask([(q["time_s"], q["dynamic_energy_j"]) for q in points])
+    front = sorted((q for q, keep in zip(points, mask) if keep), key=lambda q: q["time_s"])
+    table = Table(title=f"{p.key}: {len(points)} settings, {len(front)} on the "
+                        f"(time, dynamic energy) frontier")
+    for col in ("MHz", "SMs", "slot", "time ms", "energy J", "dynamic J"):
+        table.add_column(col, justify="right")
+    for q in front:
+        table.add_row(str(q["freq_mhz"]), str(q["sms"]), q["slot"] or "none",
+                      f"{q['time_s'] * 1e3:,.3f}", f"{q['energy_j']:,.4f}",
+                      f"{q['dynamic_energy_j']:,.4f}")
+    console.print(table)
+
+
+@app.command()
+@with_job
+def simulate(
+    job: JobSpec,
+    method: Annotated[str, typer.Option("--method", help="megatron or nanobatch.")] = (
+        "megatron"),
+    freq: Annotated[Optional[int], typer.Option(
+        "--freq", help="One SM clock for every instruction (default: max clock).")] = None,
+    backend: BackendOpt = "emulator",
+    calibration: CalibrationOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Simulate one training iteration of a method on the emulator."""
+    from kareus.backends.emulator.iteration import IterationSimulator
+    from kareus.methods import baseline_plan
+
+    plan = baseline_plan(method, job, freq)
+    be = make_backend(job, backend, 0.0, 0, calibration)
+    r = IterationSimulator(PartitionSet.from_job(job), be).run(plan)
+    if json_out:
+        print_json({**r.to_dict(), "job": job.model_dump(mode="json"), "method": method})
+        return
+    console.print(f"[bold]{method}[/bold] on {job.describe()}")
+    console.print(
+        f"iteration {r.time_s:,.3f} s, energy {r.energy_j / 1e3:,.2f} kJ over {r.num_gpus} "
+        f"GPUs (static {r.static_energy_j / 1e3:,.2f} kJ, dynamic "
+        f"{r.dynamic_energy_j / 1e3:,.2f} kJ), mean {r.mean_power_per_gpu_w:,.1f} W per GPU")
+    table = Table(title="Per stage (one GPU)")
+    for col in ("stage", "busy s", "idle s", "dynamic kJ", "energy kJ"):
+        table.add_column(col, justify="right")
+    for s in r.stages:
+        energy = s.dynamic_energy_j + r.time_s * be.static_power_w
+        table.add_row(str(s.index), f"{s.busy_s:,.3f}", f"{r.time_s - s.busy_s:,.3f}",
+                      f"{s.dynamic_energy_j / 1e3:,.3f}", f"{energy / 1e3:,.3f}")
+    console.print(table)
+
+
+@app.command()
+def calibrate(
+    calibration: CalibrationOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Show each public anchor (FACTS.md) next to the emulator's value."""
+    from kareus.backends.emulator.anchors import all_anchors
+
+    anchors = all_anchors(calibration)
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION,
+                    "anchors": [a.to_dict() for a in anchors]})
+        return
+    table = Table(title="Emulator vs public measurements")
+    for col in ("anchor", "unit", "published", "emulated", "error"):
+        table.add_column(col, justify="left" if col == "anchor" else "right")
+    for a in anchors:
+        table.add_row(a.name, a.unit, f"{a.published:,.3f}", f"{a.emulated:,.3f}",
+                      f"{a.rel_error * 100:+.1f}%")
+    console.print(table)
 
 
 @app.callback(invoke_without_command=True)

@@ -31,6 +31,8 @@ class RunResult:
     """Integral of the effective clock over time (divide by time for the mean clock)."""
     compute_end_s: float
     """When the compute stream finished (before the end when the collective outlasts it)."""
+    overlap_s: float
+    """Time during which the communication stream ran alongside the compute stream."""
 
 
 class Timeline:
@@ -82,7 +84,7 @@ class Timeline:
             launch_at = len(main)
         side_items = self.collective_items(side) if side is not None else []
 
-        t = energy = ftime = compute_end = 0.0
+        t = energy = ftime = compute_end = overlap = 0.0
         mi, si = 0, 0  # next item index on each stream
         m_cur: Item | None = None
         s_cur: Item | None = None
@@ -108,6 +110,8 @@ class Timeline:
             dt_s = s_rem * d_s if s_cur is not None else float("inf")
             dt = min(dt_m, dt_s)
             t += dt
+            if m_cur is not None and s_cur is not None:
+                overlap += dt
             energy += power * dt
             ftime += f_eff * dt
             if m_cur is not None:
@@ -121,7 +125,7 @@ class Timeline:
                     s_cur = None
                 else:
                     s_rem -= dt / d_s
-        return RunResult(t, energy, ftime, compute_end)
+        return RunResult(t, energy, ftime, compute_end, overlap)
 
     # One interval ---------------------------------------------------------------------------
 

@@ -1,0 +1,39 @@
+"""Pareto filtering of (time, energy)-like points: both objectives minimised."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def pareto_mask(points: Sequence[Sequence[float]]) -> list[bool]:
+    """True for each point no other point dominates (<= in both, < in one).
+
+    Exact duplicates are all kept. O(n log n): sort by the first objective, sweep the
+    second.
+    """
+    arr = np.asarray(points, dtype=float)
+    n = len(arr)
+    if n == 0:
+        return []
+    order = np.lexsort((arr[:, 1], arr[:, 0]))
+    keep = np.zeros(n, dtype=bool)
+    best_y = np.inf
+    i = 0
+    while i < n:
+        # a run of points with the same first objective: only those with the run's minimum
+        # second objective can survive, and only if it beats everything faster
+        j = i
+        x = arr[order[i], 0]
+        while j < n and arr[order[j], 0] == x:
+            j += 1
+        run = order[i:j]
+        y_min = arr[run, 1].min()
+        if y_min < best_y:
+            for k in run:
+                if arr[k, 1] == y_min:
+                    keep[k] = True
+            best_y = y_min
+        i = j
+    return keep.tolist()

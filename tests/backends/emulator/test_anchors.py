@@ -1,0 +1,55 @@
+"""Every public anchor, bounded. The bounds are the calibration we reached; tightening them
+is welcome, loosening them needs a reason in the commit message."""
+
+import pytest
+
+from kareus.backends.emulator.anchors import ANCHOR_GROUPS, all_anchors
+
+BOUNDS = {
+    "A100 bf16 GEMM 8192^3 at 1410 MHz, throughput": 0.03,
+    "A100 bf16 GEMM 8192^3 at 1410 MHz, power": 0.03,
+    "A100 memory-bound kernel, time at 900 / at 1410 MHz": 0.02,
+    "A100 memory-bound kernel at full utilisation, power": 0.03,
+    "A40 forward at 1740 MHz, mean power": 0.08,
+    "A40 forward time, 1710 / 1740 MHz": 0.01,
+    "A40 backward time, 1710 / 1740 MHz": 0.01,
+    "A40 backward power, 1710 / 1740 MHz": 0.02,
+    "A40 backward time, 690 / 1740 MHz": 0.15,
+    "A40 backward energy, 690 / 1740 MHz": 0.03,
+    "A40 backward energy, 660 / 690 MHz (rising again)": 0.01,
+    "A100 8-GPU ReduceScatter 32 MiB, 8 CTAs": 0.03,
+    "A100 8-GPU ReduceScatter 32 MiB, 16 CTAs": 0.03,
+    "A100 8-GPU ReduceScatter 32 MiB, 32 CTAs": 0.03,
+    "A100 communication-only power (AllReduce 96 MiB, 32 CTAs)": 0.35,
+    "H100 132-CTA GEMM under a 24-CTA AllGather, slowdown": 0.25,
+    "H200 8192x3072x3072 GEMM under SendRecv (8 CTAs), slowdown": 0.06,
+    "H200 8192x3072x3072 GEMM under AllGather (24 CTAs), slowdown": 0.08,
+    "H200 GEMM at a locked 1830 MHz, sustained clock at 700 W": 0.08,
+    "kareus-1 Megatron iteration time at max clock": 0.20,
+    "kareus-1 Megatron mean power per GPU": 0.20,
+}
+
+
+@pytest.fixture(scope="module")
+def anchors():
+    return {a.name: a for a in all_anchors()}
+
+
+def test_every_anchor_has_a_bound(anchors):
+    assert set(anchors) == set(BOUNDS)
+
+
+@pytest.mark.parametrize("name", list(BOUNDS))
+def test_anchor_within_bound(anchors, name):
+    a = anchors[name]
+    assert abs(a.rel_error) <= BOUNDS[name], f"{name}: {a.emulated} vs {a.published}"
+
+
+def test_energy_rises_again_at_the_bottom_and_power_falls_at_the_top(anchors):
+    assert anchors["A40 backward energy, 660 / 690 MHz (rising again)"].emulated > 1.0
+    assert anchors["A40 backward power, 1710 / 1740 MHz"].emulated <= 1.0
+
+
+def test_groups_are_listed():
+    assert {"gemm", "memory", "a40_profile", "nccl", "comm_power", "overlap", "hopper_clock",
+            "iteration"} == set(ANCHOR_GROUPS)
