@@ -1,0 +1,76 @@
+"""Emulator speed: a full sweep of a 720-setting partition, and whole-iteration simulations.
+
+Prints medians over repeated runs; each run starts from a fresh backend (cold caches), so
+the figures include everything a first call pays.
+
+    python benchmarks/emulator_speed.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kareus.backends.base import Knobs
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.methods import baseline_plan
+from kareus.partition import PartitionSet
+from kareus.sources import build_job
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sweep_720(repeats: int) -> None:
+    # fwd_qkv_ar of kareus-2: 18 frequencies x 10 SM choices x 4 launch options = 720
+    job = build_job("kareus-2")
+    p = PartitionSet.from_job(job)["fwd_qkv_ar"]
+    settings = [Knobs(f, n, s) for f in job.freqs_mhz for n in p.sm_choices
+                for s in p.launch_options]
+    assert len(settings) == 720
+
+    def run():
+        b = EmulatorBackend(job)
+        for k in settings:
+            b.measure(p, k)
+
+    med = _median_s(run, repeats)
+    print(f"sweep of {p.key} (kareus-2), {len(settings)} settings: median {med * 1e3:.1f} ms "
+          f"= {med / len(settings) * 100 * 1e3:.2f} ms per 100 settings")
+
+
+def iteration(preset: str, repeats: int) -> None:
+    job = build_job(preset)
+    for method in ("megatron", "nanobatch"):
+        plan = baseline_plan(method, job)
+
+        def run(plan=plan):
+            ps = PartitionSet.from_job(job)
+            return IterationSimulator(ps, EmulatorBackend(job)).run(plan)
+
+        med = _median_s(run, repeats)
+        r = run()
+        print(f"iteration {preset} ({job.num_gpus} GPUs, TP{job.tp} PP{job.pp}) {method}: "
+              f"median {med * 1e3:.1f} ms to simulate; iteration {r.time_s:.3f} s, "
+              f"{r.energy_j / 1e3:.1f} kJ")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    sweep_720(args.repeats)
+    iteration("kareus-1", args.repeats)
+    iteration("llama3.3-70b-64gpu", args.repeats)
+
+
+if __name__ == "__main__":
+    main()
