@@ -37,3 +37,31 @@ def pareto_mask(points: Sequence[Sequence[float]]) -> list[bool]:
             best_y = y_min
         i = j
     return keep.tolist()
+
+
+def hypervolume(points: np.ndarray, ref: Sequence[float]) -> float:
+    """Hypervolume dominated by ``points`` (minimised) up to ``ref``, via moocore."""
+    import moocore
+
+    pts = np.asarray(points, dtype=float).reshape(-1, len(ref))
+    pts = pts[np.all(pts < np.asarray(ref), axis=1)]
+    if len(pts) == 0:
+        return 0.0
+    return float(moocore.hypervolume(pts, ref=np.asarray(ref, dtype=float)))
+
+
+def hypervolume_improvements(front: np.ndarray, candidates: np.ndarray,
+                             ref: Sequence[float]) -> np.ndarray:
+    """Hypervolume each candidate would add to ``front`` on its own (0 if dominated)."""
+    front = np.asarray(front, dtype=float).reshape(-1, len(ref))
+    cands = np.asarray(candidates, dtype=float).reshape(-1, len(ref))
+    out = np.zeros(len(cands))
+    inside = np.all(cands < np.asarray(ref), axis=1)
+    if len(front):
+        # weakly dominated by a front point: no improvement, skip the hypervolume call
+        dominated = np.any(np.all(front[None, :, :] <= cands[:, None, :], axis=2), axis=1)
+        inside &= ~dominated
+    base = hypervolume(front, ref)
+    for i in np.flatnonzero(inside):
+        out[i] = hypervolume(np.vstack([front, cands[i]]), ref) - base
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,7 +32,11 @@ def internode_groups(job: JobSpec) -> frozenset[str]:
 
 class EmulatorBackend:
     """Deterministic for a seed; ``noise`` adds that relative standard deviation to the time
-    and to the dynamic energy of every measurement (0: exact)."""
+    and to the dynamic energy of every measurement (0: exact).
+
+    The noise of a measurement depends on (seed, what is measured, how many times this
+    backend measured it before), not on the order of the calls: a search that is resumed,
+    or run in another process, sees the same values for the same settings."""
 
     name = "emulator"
 
@@ -53,7 +58,7 @@ class EmulatorBackend:
             raise SpecError(f"noise must be between 0 and 0.5, got {noise}")
         self.noise = noise
         self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        self._repeats: dict[str, int] = {}
         self.protocol = protocol or MeasurementProtocol()
         self.static_power_w = self.gpu.static_power_w
         self.physics = GPUPhysics(self.gpu, self.params)
@@ -72,10 +77,11 @@ class EmulatorBackend:
     # Backend protocol ----------------------------------------------------------------------
 
     def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
-        return self._noisy(self.measure_exact(partition, knobs))
+        exact = self.measure_exact(partition, knobs)
+        return self._noisy(exact, f"{partition.key}|{knobs.freq_mhz}|{knobs.sms}|{knobs.slot}")
 
     def measure_op(self, op: Op, freq_mhz: int) -> Measurement:
-        return self._noisy(self.run_ops((op,), freq_mhz))
+        return self._noisy(self.run_ops((op,), freq_mhz), f"{op.name}|{freq_mhz}")
 
     # Exact (noise-free) measurements, cached -------------------------------------------------
 
@@ -116,10 +122,14 @@ class EmulatorBackend:
         f_mean = r.freq_time_mhz_s / r.time_s if r.time_s > 0 else 0.0
         return Measurement.from_time_energy(r.time_s, r.energy_j, self.static_power_w, f_mean)
 
-    def _noisy(self, m: Measurement) -> Measurement:
+    def _noisy(self, m: Measurement, label: str) -> Measurement:
         if self.noise == 0:
             return m
-        eps_t, eps_e = self._rng.normal(0.0, self.noise, size=2)
+        count = self._repeats.get(label, 0)
+        self._repeats[label] = count + 1
+        digest = hashlib.blake2b(f"{label}|{count}".encode(), digest_size=8).digest()
+        rng = np.random.default_rng([self.seed, int.from_bytes(digest, "little")])
+        eps_t, eps_e = rng.normal(0.0, self.noise, size=2)
         t = m.time_s * max(0.05, 1.0 + eps_t)
         dyn = max(0.0, m.dynamic_energy_j * (1.0 + eps_e))
         # static energy follows the measured time, so energy never falls below static x time

@@ -1,0 +1,309 @@
+"""The search loop: initial design, then batches chosen by the surrogates, until the budget
+is spent or the frontier stops improving.
+
+Every measurement goes to the journal before the search uses it; settings already in the
+journal are reused, never measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kareus import SCHEMA_VERSION
+from kareus.backends.base import Knobs, Measurement
+from kareus.errors import SpecError
+from kareus.partition import Partition
+from kareus.pareto import hypervolume, pareto_mask
+from kareus.search.acquisition import Candidates, select_batch
+from kareus.search.design import initial_design
+from kareus.search.space import KnobSpace
+from kareus.search.surrogate import EnsembleSurrogate, SurrogateConfig
+
+STRATEGIES = ("mbo", "random", "exhaustive")
+
+Progress = Callable[[int, int], None]
+"""progress(samples so far, budget)."""
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    strategy: str = "mbo"
+    budget: int = 100
+    """Total samples (journal samples included); exhaustive ignores it."""
+    seed: int = 0
+    initial: int | None = None
+    """Initial design size (default 20; 10 with an emulator prior)."""
+    batch_size: int = 10
+    shares: tuple[float, float, float, float] = (0.4, 0.2, 0.2, 0.2)
+    """hv_total, hv_dynamic, fastest, uncertainty (FACTS §4)."""
+    tolerance: float = 0.002
+    """Stop when the hypervolume improved by less than this fraction over ``patience``
+    batches (0 disables the rule: spend the whole budget)."""
+    patience: int = 3
+    optimism: float = 1.0
+    """Hypervolume passes score mean - optimism x std (the ensemble's spread), so a setting
+    that might beat the front gets its chance; 0 scores the mean alone."""
+    surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
+
+    def initial_size(self, with_prior: bool) -> int:
+        if self.initial is not None:
+            return self.initial
+        return 10 if with_prior else 20
+
+    def check(self, space_size: int, with_prior: bool) -> None:
+        if self.strategy not in STRATEGIES:
+            raise SpecError(f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGIES)}")
+        if self.strategy == "exhaustive":
+            return
+        if self.budget < 1:
+            raise SpecError(f"budget must be positive, got {self.budget}")
+        init = self.initial_size(with_prior)
+        if self.strategy == "mbo" and self.budget < init:
+            raise SpecError(f"budget {self.budget} is smaller than the initial design ({init})")
+        if self.batch_size < 1:
+            raise SpecError(f"batch size must be positive, got {self.batch_size}")
+        if len(self.shares) != 4 or min(self.shares) < 0 or sum(self.shares) <= 0:
+            raise SpecError("pass shares must be four non-negative numbers, not all zero")
+        if self.tolerance < 0 or self.patience < 1:
+            raise SpecError("tolerance must be >= 0 and patience >= 1")
+
+
+@dataclass(frozen=True)
+class Sample:
+    knobs: Knobs
+    measurement: Measurement
+    reused: bool = False
+    """Taken from the journal rather than measured by this run."""
+
+    def to_dict(self) -> dict:
+        m = self.measurement
+        return {"freq_mhz": self.knobs.freq_mhz, "sms": self.knobs.sms,
+                "slot": self.knobs.slot, "time_s": m.time_s,
+                "dynamic_energy_j": m.dynamic_energy_j, "energy_j": m.energy_j}
+
+
+@dataclass
+class SearchResult:
+    partition: str
+    strategy: str
+    seed: int
+    samples: list[Sample]
+    hv_history: list[tuple[int, float]]
+    measured_this_run: int
+    profiling_cost_s: float
+    stopped: str
+    """Why the search ended: "budget", "converged", or "exhausted"."""
+
+    @property
+    def frontier(self) -> list[Sample]:
+        """Pareto set in (time, dynamic energy), fastest first."""
+        pts = [(s.measurement.time_s, s.measurement.dynamic_energy_j) for s in self.samples]
+        keep = pareto_mask(pts)
+        front = [s for s, k in zip(self.samples, keep) if k]
+        return sorted(front, key=lambda s: s.measurement.time_s)
+
+    @property
+    def hypervolume(self) -> float:
+        """Of the frontier in (time, dynamic energy), each objective divided by its worst
+        sampled value, reference point 1.1."""
+        return frontier_hypervolume(
+            [(s.measurement.time_s, s.measurement.dynamic_energy_j) for s in self.samples])
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "partition": self.partition,
+            "strategy": self.strategy,
+            "seed": self.seed,
+            "measured_this_run": self.measured_this_run,
+            "reused_from_journal": sum(s.reused for s in self.samples),
+            "stopped": self.stopped,
+            "samples": [s.to_dict() for s in self.samples],
+            "frontier": [s.to_dict() for s in self.frontier],
+            "hypervolume": self.hypervolume,
+            "hypervolume_history": [{"samples": n, "hypervolume": hv}
+                                    for n, hv in self.hv_history],
+            "profiling_cost_s": self.profiling_cost_s,
+        }
+
+
+def frontier_hypervolume(points, worst=None) -> float:
+    pts = np.asarray(points, dtype=float).reshape(-1, 2)
+    if len(pts) == 0:
+        return 0.0
+    scale = np.asarray(worst if worst is not None else pts.max(axis=0), dtype=float)
+    return hypervolume(pts / np.maximum(scale, 1e-300), (1.1, 1.1))
+
+
+def backend_identity(backend) -> str:
+    """What makes two measurements of the same setting comparable: the backend, its GPU,
+    and (for the emulator) its constants and noise level. The seed is not part of it: a
+    journal's measurements serve any later search, as real measurements would."""
+    parts = [backend.name, backend.gpu.name]
+    params = getattr(backend, "params", None)
+    if params is not None:
+        digest = hashlib.sha256(json.dumps(asdict(params), sort_keys=True).encode())
+        parts += [f"noise={getattr(backend, 'noise', 0.0)}", f"params={digest.hexdigest()[:12]}"]
+    return ":".join(parts)
+
+
+class _Recorder:
+    """Measures through the backend, journal first, and keeps the run's samples."""
+
+    def __init__(self, partition, backend, journal, jid, backend_id, protocol, budget,
+                 progress):
+        self.p = partition
+        self.backend = backend
+        self.journal = journal
+        self.jid = jid
+        self.backend_id = backend_id
+        self.protocol = protocol
+        self.budget = budget
+        self.progress = progress
+        self.samples: dict[Knobs, Sample] = {}
+        self.measured = 0
+        self.cost_s = 0.0
+        self._last_freq: int | None = None
+
+    def preload(self, space: KnobSpace) -> None:
+        if self.journal is None:
+            return
+        for s in self.journal.samples(self.jid, self.p.key, self.backend_id):
+            if space.contains(s.knobs):
+                self.samples[s.knobs] = Sample(s.knobs, s.measurement, reused=True)
+
+    def measure(self, batch: list[Knobs]) -> None:
+        # one clock at a time: settings of a batch are run grouped by frequency, so the
+        # GPU settles once per clock change
+        for k in sorted(batch, key=lambda k: (-k.freq_mhz, k.sms, k.slot or "")):
+            if k in self.samples:
+                continue
+            m = self.backend.measure(self.p, k)
+            if self.journal is not None:
+                self.journal.record(self.jid, self.p.key, self.backend_id, k, m)
+            self.samples[k] = Sample(k, m)
+            self.measured += 1
+            self.cost_s += self.protocol.cost_s(clock_changed=k.freq_mhz != self._last_freq)
+            self._last_freq = k.freq_mhz
+            if self.progress is not None:
+                self.progress(len(self.samples), self.budget)
+
+
+def run_search(partition: Partition, backend, freqs_mhz: tuple[int, ...],
+               config: SearchConfig, journal=None, job_id: str = "", prior=None,
+               progress: Progress | None = None) -> SearchResult:
+    """Search one partition's knob space on ``backend``.
+
+    ``prior``: an emulator backend whose (noise-free) prediction of every setting informs
+    the surrogates (they learn the ratio measured / predicted) and the initial design.
+    """
+    space = KnobSpace(partition, tuple(freqs_mhz), backend.gpu.max_freq_mhz)
+    config.check(len(space), prior is not None)
+    budget = len(space) if config.strategy == "exhaustive" else min(config.budget, len(space))
+    rec = _Recorder(partition, backend, journal, job_id, backend_identity(backend),
+                    backend.protocol, budget, progress)
+    rec.preload(space)
+    rng = np.random.default_rng(config.seed)
+    history: list[tuple[int, float]] = []
+    stopped = "budget"
+
+    if config.strategy == "exhaustive":
+        rec.measure(list(space.settings))
+    elif config.strategy == "random":
+        free = [k for k in space.settings if k not in rec.samples]
+        order = rng.permutation(len(free))
+        rec.measure([free[i] for i in order[: max(0, budget - len(rec.samples))]])
+    else:
+        stopped = _mbo(space, rec, config, budget, rng, prior, history)
+    if len(rec.samples) >= len(space):
+        stopped = "exhausted" if config.strategy != "exhaustive" else "budget"
+    if not history:
+        history.append((len(rec.samples), _current_hv(rec, None)))
+    samples = list(rec.samples.values())  # journal samples first, then measurement order
+    return SearchResult(partition.key, config.strategy, config.seed, samples, history,
+                        rec.measured, rec.cost_s, stopped)
+
+
+def _current_hv(rec: _Recorder, worst) -> float:
+    pts = [(s.measurement.time_s, s.measurement.dynamic_energy_j)
+           for s in rec.samples.values()]
+    return frontier_hypervolume(pts, worst)
+
+
+def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
+         rng: np.random.Generator, prior, history: list) -> str:
+    static_w = rec.backend.static_power_w
+    prior_y = _prior_values(space, prior) if prior is not None else None
+    features = space.features
+    if prior_y is not None:
+        features = np.column_stack([features, np.log(prior_y) - np.log(prior_y).mean(axis=0)])
+
+    init = min(config.initial_size(prior is not None), budget)
+    missing = init - len(rec.samples)
+    if missing > 0:
+        measured_idx = {space.index[k] for k in rec.samples}
+        if prior_y is not None:
+            idx = _prior_design(space, prior_y, missing, rng, measured_idx)
+        else:
+            idx = initial_design(space, missing, rng, measured_idx)
+        rec.measure([space.settings[i] for i in idx])
+
+    # hypervolume history against a reference fixed by the initial data, so it can only grow
+    worst = np.max([(s.measurement.time_s, s.measurement.dynamic_energy_j)
+                    for s in rec.samples.values()], axis=0)
+    history.append((len(rec.samples), _current_hv(rec, worst)))
+    batch_no = 0
+    while len(rec.samples) < budget:
+        measured = [space.index[k] for k in rec.samples]
+        free = np.setdiff1d(np.arange(len(space)), measured)
+        if len(free) == 0:
+            return "exhausted"
+        y = np.array([(max(s.measurement.time_s, 1e-12),
+                       max(s.measurement.dynamic_energy_j, 1e-12))
+                      for s in (rec.samples[space.settings[i]] for i in measured)])
+        target = y / prior_y[measured] if prior_y is not None else y
+        model = EnsembleSurrogate(config.surrogate, seed=config.seed * 7919 + batch_no)
+        model.fit(features[measured], target)
+        mean, std = model.predict(features[free])
+        if prior_y is not None:
+            mean, std = mean * prior_y[free], std * prior_y[free]
+        cands = Candidates(free, mean[:, 0], mean[:, 1], std[:, 0], std[:, 1],
+                           space.features[free], config.optimism)
+        size = min(config.batch_size, budget - len(rec.samples))
+        batch = select_batch(cands, y[:, 0], y[:, 1], space.features[measured], static_w,
+                             size, config.shares)
+        rec.measure([space.settings[i] for i in batch])
+        batch_no += 1
+        history.append((len(rec.samples), _current_hv(rec, worst)))
+        if config.tolerance > 0 and len(history) > config.patience:
+            now, then = history[-1][1], history[-1 - config.patience][1]
+            if now <= 0 or (now - then) / now < config.tolerance:
+                return "converged"
+    return "budget"
+
+
+def _prior_values(space: KnobSpace, prior) -> np.ndarray:
+    rows = []
+    for k in space.settings:
+        m = prior.measure_exact(space.partition, k)
+        rows.append((max(m.time_s, 1e-12), max(m.dynamic_energy_j, 1e-12)))
+    return np.asarray(rows)
+
+
+def _prior_design(space: KnobSpace, prior_y: np.ndarray, n: int, rng: np.random.Generator,
+                  exclude: set[int]) -> list[int]:
+    """Half of the settings spread along the prior's predicted (time, dynamic energy)
+    frontier, half space-filling."""
+    pts = prior_y
+    front = [i for i in np.flatnonzero(pareto_mask(pts)) if i not in exclude]
+    front.sort(key=lambda i: pts[i, 0])
+    k = min(len(front), (n + 1) // 2)
+    picks = ([front[int(round(j))] for j in np.linspace(0, len(front) - 1, k)] if k else [])
+    picks = list(dict.fromkeys(picks))
+    rest = initial_design(space, n - len(picks), rng, exclude | set(picks))
+    return picks + rest

@@ -1,0 +1,163 @@
+"""The SQLite journal: every measurement is stored before it is used.
+
+One row per (job, partition key, backend, knobs), committed as soon as it is measured, in
+WAL mode so that a process killed at any moment (SIGKILL included) loses nothing that was
+committed, and so that several searches (processes) can write to one journal at once.
+A search that finds its settings in the journal reuses them instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kareus.backends.base import Knobs, Measurement
+from kareus.errors import KareusError
+from kareus.spec import JobSpec
+
+JOURNAL_SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, job_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS measurements (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    partition TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    freq_mhz INTEGER NOT NULL,
+    sms INTEGER NOT NULL,
+    slot TEXT NOT NULL,
+    time_s REAL NOT NULL,
+    energy_j REAL NOT NULL,
+    static_energy_j REAL NOT NULL,
+    dynamic_energy_j REAL NOT NULL,
+    avg_power_w REAL NOT NULL,
+    effective_freq_mhz REAL NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (job_id, partition, backend, freq_mhz, sms, slot)
+);
+"""
+
+_NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stored as text
+
+
+class JournalError(KareusError):
+    pass
+
+
+def job_id(job: JobSpec) -> str:
+    """A stable identity of the job: hash of its canonical JSON."""
+    text = json.dumps(job.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class StoredSample:
+    knobs: Knobs
+    measurement: Measurement
+
+
+class Journal:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise JournalError(f"journal {self.path} is a directory")
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: a committed row survives the process being killed (not a power
+            # cut); writers from other processes wait up to 30 s for the lock.
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("PRAGMA busy_timeout=30000")
+            self.conn.executescript(_SCHEMA)  # idempotent; each statement commits itself
+            self.conn.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                (str(JOURNAL_SCHEMA_VERSION),))
+            version = self.conn.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot open journal {self.path}: {exc}") from None
+        if version is None or int(version[0]) != JOURNAL_SCHEMA_VERSION:
+            raise JournalError(f"journal {self.path} has an unsupported schema version")
+
+    @contextmanager
+    def _tx(self) -> Iterator[None]:
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Writing ------------------------------------------------------------------------------
+
+    def register_job(self, job: JobSpec) -> str:
+        jid = job_id(job)
+        with self._tx():
+            self.conn.execute("INSERT OR IGNORE INTO jobs(job_id, job_json) VALUES (?, ?)",
+                              (jid, json.dumps(job.model_dump(mode="json"), sort_keys=True)))
+        return jid
+
+    def record(self, jid: str, partition: str, backend: str, knobs: Knobs, m: Measurement
+               ) -> None:
+        """Store one measurement and commit before returning."""
+        try:
+            with self._tx():
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO measurements(job_id, partition, backend, freq_mhz, "
+                    "sms, slot, time_s, energy_j, static_energy_j, dynamic_energy_j, "
+                    "avg_power_w, effective_freq_mhz, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (jid, partition, backend, knobs.freq_mhz, knobs.sms,
+                     knobs.slot or _NONE_SLOT, m.time_s, m.energy_j, m.static_energy_j,
+                     m.dynamic_energy_j, m.avg_power_w, m.effective_freq_mhz, time.time()))
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
+
+    # Reading ------------------------------------------------------------------------------
+
+    def samples(self, jid: str, partition: str, backend: str) -> list[StoredSample]:
+        rows = self.conn.execute(
+            "SELECT freq_mhz, sms, slot, time_s, energy_j, static_energy_j, dynamic_energy_j, "
+            "avg_power_w, effective_freq_mhz FROM measurements "
+            "WHERE job_id = ? AND partition = ? AND backend = ? ORDER BY id",
+            (jid, partition, backend)).fetchall()
+        return [
+            StoredSample(Knobs(int(f), int(n), None if slot == _NONE_SLOT else slot),
+                         Measurement(t, e, st, dy, p, fe))
+            for f, n, slot, t, e, st, dy, p, fe in rows
+        ]
+
+    def summary(self) -> list[dict]:
+        rows = self.conn.execute(
+            "SELECT m.job_id, j.job_json, m.partition, m.backend, COUNT(*), "
+            "MIN(m.created_at), MAX(m.created_at) FROM measurements m "
+            "LEFT JOIN jobs j ON j.job_id = m.job_id "
+            "GROUP BY m.job_id, m.partition, m.backend ORDER BY m.job_id, m.partition").fetchall()
+        out = []
+        for jid, job_json, part, backend, count, first, last in rows:
+            job = json.loads(job_json) if job_json else {}
+            out.append({"job_id": jid, "model": job.get("model", {}).get("name"),
+                        "partition": part, "backend": backend, "measurements": count,
+                        "first_at": first, "last_at": last})
+        return out
+
+    def integrity_ok(self) -> bool:
+        return self.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
