@@ -344,6 +344,276 @@ def simulate(
 
 
 @app.command()
+@with_job
+def search(
+    job: JobSpec,
+    partition: Annotated[Optional[list[str]], typer.Option(
+        "--partition", help="Partition key (repeatable; default: every partition).")] = None,
+    strategy: Annotated[str, typer.Option(
+        "--strategy", help="mbo (default), random or exhaustive.")] = "mbo",
+    budget: Annotated[int, typer.Option(
+        "--budget", help="Samples per partition, journal samples included.")] = 100,
+    initial: Annotated[Optional[int], typer.Option(
+        "--initial", help="Initial design size (default 20; 10 with a prior).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Settings per batch.")] = 10,
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="Stop when the hypervolume gained less than this fraction over "
+                            "--patience batches (0: spend the budget).")] = 0.002,
+    patience: Annotated[int, typer.Option("--patience", help="Batches for --tolerance.")] = 3,
+    prior: Annotated[str, typer.Option(
+        "--prior", help="none, or emulator: the nominal emulator's predictions inform the "
+                        "search (for real or calibrated backends).")] = "none",
+    journal: Annotated[Optional[str], typer.Option(
+        "--journal", help="SQLite journal: every measurement is stored before use and "
+                          "reused by later searches.")] = None,
+    executor: Annotated[str, typer.Option(
+        "--executor", help="local (process pool) or ray.")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray-address", help="Ray cluster address (default: start Ray locally).")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", help="Local processes (default: one per partition, up to the CPUs).")
+    ] = None,
+    backend: BackendOpt = "emulator",
+    noise: NoiseOpt = 0.0,
+    seed: SeedOpt = 0,
+    calibration: CalibrationOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Search partitions' knob spaces for their time-energy frontiers."""
+    from kareus.search.loop import STRATEGIES, SearchConfig
+    from kareus.search.parallel import EXECUTORS, make_task, run_tasks
+
+    ps = PartitionSet.from_job(job)
+    keys = partition or ps.keys
+    for key in keys:
+        ps[key]  # unknown keys fail here, before any work starts
+    if strategy not in STRATEGIES:
+        raise KareusError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    if executor not in EXECUTORS:
+        raise KareusError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    if prior not in ("none", "emulator"):
+        raise KareusError(f"unknown prior {prior!r}; available: none, emulator")
+    config = SearchConfig(strategy=strategy, budget=budget, seed=seed, initial=initial,
+                          batch_size=batch_size, tolerance=tolerance, patience=patience)
+    with_prior = prior != "none"
+    for key in keys:
+        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), with_prior)
+    make_backend(job, backend, noise, seed, calibration)  # validates backend settings
+    if journal is not None:
+        from kareus.store import Journal
+
+        Journal(journal).close()  # an unreadable journal fails before any work starts
+    tasks = [make_task(job, key, config, backend=backend, noise=noise, seed=seed,
+                       calibration=calibration, journal=journal,
+                       prior=None if prior == "none" else prior) for key in keys]
+    if json_out:
+        results = run_tasks(tasks, executor, workers, ray_address)
+    else:
+        results = _run_with_progress(tasks, executor, workers, ray_address)
+    if json_out:
+        if len(results) == 1:
+            print_json(results[0])
+        else:
+            print_json({"schema_version": SCHEMA_VERSION, "job": job.model_dump(mode="json"),
+                        "results": results})
+        return
+    table = Table(title=f"{strategy} search of {job.describe()}")
+    for col in ("partition", "samples", "measured", "reused", "frontier", "hypervolume",
+                "profiling h", "stopped"):
+        table.add_column(col, justify="left" if col in ("partition", "stopped") else "right")
+    for r in results:
+        table.add_row(r["partition"], str(len(r["samples"])), str(r["measured_this_run"]),
+                      str(r["reused_from_journal"]), str(len(r["frontier"])),
+                      f"{r['hypervolume']:.4f}", f"{r['profiling_cost_s'] / 3600:.2f}",
+                      r["stopped"])
+    console.print(table)
+    if len(results) == 1:
+        front = Table(title=f"{results[0]['partition']}: frontier (time, dynamic energy)")
+        for col in ("MHz", "SMs", "slot", "time ms", "dynamic J", "energy J"):
+            front.add_column(col, justify="right")
+        for q in results[0]["frontier"]:
+            front.add_row(str(q["freq_mhz"]), str(q["sms"]), q["slot"] or "none",
+                          f"{q['time_s'] * 1e3:,.3f}", f"{q['dynamic_energy_j']:,.4f}",
+                          f"{q['energy_j']:,.4f}")
+        console.print(front)
+
+
+def _run_with_progress(tasks, executor, workers, ray_address) -> list[dict]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from kareus.search.parallel import run_tasks
+
+    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                  console=Console(stderr=True), transient=False) as bar:
+        ids = {t.partition: bar.add_task(t.partition, total=None) for t in tasks}
+
+        def update(key: str, done: int, total: int) -> None:
+            bar.update(ids[key], completed=done, total=total)
+
+        return run_tasks(tasks, executor, workers, ray_address, update)
+
+
+@app.command("journal")
+def journal_cmd(
+    path: Annotated[str, typer.Option("--journal", help="SQLite journal to list.")],
+    json_out: JsonFlag = False,
+) -> None:
+    """List what a journal holds: measurements per job, partition and backend."""
+    from pathlib import Path
+
+    from kareus.store import Journal
+
+    if not Path(path).exists():
+        raise KareusError(f"journal not found: {path}")
+    with Journal(path) as j:
+        rows = j.summary()
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "journal": path, "entries": rows})
+        return
+    table = Table(title=f"Journal {path}")
+    for col in ("job", "model", "partition", "backend", "measurements"):
+        table.add_column(col, justify="right" if col == "measurements" else "left")
+    for r in rows:
+        table.add_row(r["job_id"], str(r["model"]), r["partition"], r["backend"],
+                      str(r["measurements"]))
+    console.print(table)
+
+
+@app.command()
+@with_job
+def optimize(
+    job: JobSpec,
+    out: Annotated[str, typer.Option("--out", help="Directory for the result.")],
+    budget: Annotated[int, typer.Option(
+        "--budget", help="Search samples per partition.")] = 100,
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
+    executor: Annotated[str, typer.Option("--executor", help="local or ray.")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers")] = None,
+    backend: BackendOpt = "emulator",
+    noise: NoiseOpt = 0.0,
+    seed: SeedOpt = 0,
+    calibration: CalibrationOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Search every partition, compose the iteration frontiers of every method, write
+    DIR/result.json, DIR/plans/, DIR/frontier.png and DIR/report.md."""
+    from kareus.optimize import optimize as run_optimize
+    from kareus.report import NAMES
+    from kareus.search.loop import SearchConfig
+    from kareus.search.parallel import EXECUTORS
+
+    if executor not in EXECUTORS:
+        raise KareusError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    make_backend(job, backend, noise, seed, calibration)
+    config = SearchConfig(budget=budget, seed=seed, tolerance=tolerance)
+    ps = PartitionSet.from_job(job)
+    for key in ps.keys:
+        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), False)
+    err = Console(stderr=True)
+    if json_out:
+        result = run_optimize(job, out, config, noise, calibration, executor, workers,
+                              ray_address)
+        print_json(result.to_dict())
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                  console=err) as bar:
+        ids = {k: bar.add_task(k, total=None) for k in ps.keys}
+        result = run_optimize(
+            job, out, config, noise, calibration, executor, workers, ray_address,
+            progress=lambda k, d, n: bar.update(ids[k], completed=d, total=n),
+            stage=lambda msg: bar.console.log(msg))
+    table = Table(title=f"Frontiers of {job.describe()}")
+    for col in ("method", "plans", "fastest s", "its kJ", "least kJ", "its s",
+                "iso-time E", "iso-energy T"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for method, plans in result.plans.items():
+        fast = min(plans, key=lambda p: p.time_s)
+        low = min(plans, key=lambda p: p.energy_j)
+        m = result.metrics.get(method, {})
+
+        def pct(x):
+            return "" if x is None else f"{x * 100:.1f}%"
+
+        table.add_row(NAMES.get(method, method), str(len(plans)), f"{fast.time_s:.3f}",
+                      f"{fast.energy_j / 1e3:.2f}", f"{low.energy_j / 1e3:.2f}",
+                      f"{low.time_s:.3f}", pct(m.get("iso_time_energy_reduction")),
+                      pct(m.get("iso_energy_time_reduction")))
+    console.print(table)
+    console.print(f"validation: predicted vs simulated within "
+                  f"{result.validation_max_error * 100:.2f}%; wrote {out}/result.json, "
+                  f"plans/, frontier.png, report.md")
+
+
+@app.command()
+def plan(
+    result: Annotated[str, typer.Option("--result", help="Directory of `kareus optimize`.")],
+    max_throughput: Annotated[bool, typer.Option("--max-throughput")] = False,
+    min_energy: Annotated[bool, typer.Option("--min-energy")] = False,
+    deadline: Annotated[Optional[float], typer.Option(
+        "--deadline", help="Iteration time limit in seconds.")] = None,
+    energy_budget: Annotated[Optional[float], typer.Option(
+        "--energy-budget", help="Iteration energy limit in joules.")] = None,
+    method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = "kareus",
+    json_out: JsonFlag = False,
+) -> None:
+    """Pick the plan that meets a deadline or an energy budget with the least energy (or
+    time), or the fastest / least-energy plan."""
+    from pathlib import Path
+
+    from kareus.plan import Plan, load_frontier, load_json, select
+
+    chosen = [name for name, on in (("max-throughput", max_throughput),
+                                    ("min-energy", min_energy),
+                                    ("deadline", deadline is not None),
+                                    ("energy-budget", energy_budget is not None)) if on]
+    if len(chosen) != 1:
+        raise KareusError("give exactly one of --max-throughput, --min-energy, --deadline, "
+                          "--energy-budget")
+    objective = chosen[0]
+    value = deadline if objective == "deadline" else energy_budget
+    point = select(load_frontier(result, method), objective, value)
+    path = Path(result) / "plans" / f"{point['plan']}.json"
+    p = Plan.from_dict(load_json(path, "plan"))
+    if json_out:
+        print_json({**p.to_dict(), "path": str(path), "objective": objective,
+                    "limit": value})
+        return
+    freqs = sorted(set(p.execution.instruction_freqs.values())) or [
+        p.execution.default_freq_mhz]
+    console.print(f"[bold]{p.id}[/bold] ({method}, {objective}"
+                  f"{'' if value is None else f' {value:g}'}): iteration {p.time_s:.4f} s, "
+                  f"{p.energy_j / 1e3:.3f} kJ; clocks {freqs[0]}..{freqs[-1]} MHz; {path}")
+
+
+@app.command()
+def compare(
+    out: Annotated[str, typer.Option("--out", help="Directory for the comparison.")],
+    suite: Annotated[str, typer.Option("--suite", help="kareus: the ten paper workloads.")
+                     ] = "kareus",
+    budget: Annotated[int, typer.Option("--budget")] = 100,
+    seed: SeedOpt = 0,
+    noise: NoiseOpt = 0.0,
+    workers: Annotated[Optional[int], typer.Option("--workers")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run every preset of a suite through `optimize` and compare the methods."""
+    from kareus.compare import run_suite
+
+    doc = run_suite(suite, out, budget, seed, noise, workers,
+                    log=None if json_out else (lambda m: Console(stderr=True).log(m)))
+    if json_out:
+        print_json(doc)
+        return
+    from pathlib import Path
+
+    console.print((Path(out) / "compare.md").read_text())
+
+
+@app.command()
 def calibrate(
     calibration: CalibrationOpt = None,
     json_out: JsonFlag = False,

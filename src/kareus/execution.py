@@ -38,15 +38,31 @@ class ExecutionPlan:
     default_slot: str | None = None
     """Slot of partitions without knobs: None means no overlap; "first" launches the
     collective as soon as its input is ready (before the partition's first op)."""
+    instruction_knobs: dict[InstructionId, dict[str, PartitionChoice]] = field(
+        default_factory=dict)
+    """Per instruction, per key: the most specific setting (a composed plan may run a key
+    differently in two instructions at the same clock)."""
+    sequential: frozenset[InstructionId] = frozenset()
+    """Instructions that run Megatron-style (no nanobatch split) although the plan overlaps
+    elsewhere: where overlap does not pay."""
 
     def freq(self, stage: int, microbatch: int, direction: str) -> int:
         return self.instruction_freqs.get((stage, microbatch, direction), self.default_freq_mhz)
 
-    def choice(self, key: str, freq_mhz: int, default_sms: int) -> PartitionChoice:
+    def choice(self, key: str, freq_mhz: int, default_sms: int,
+               instruction: InstructionId | None = None) -> PartitionChoice:
+        if instruction is not None:
+            c = self.instruction_knobs.get(instruction, {}).get(key)
+            if c is not None:
+                return c
         c = self.knobs_by_freq.get((key, freq_mhz)) or self.knobs.get(key)
         if c is not None:
             return c
         return PartitionChoice(self.default_sms or default_sms, self.default_slot)
+
+    def runs_sequential(self, stage: int, direction: str, microbatch: int | None = None
+                        ) -> bool:
+        return not self.overlap or (stage, microbatch, direction) in self.sequential
 
     def to_dict(self) -> dict:
         return {
@@ -65,6 +81,13 @@ class ExecutionPlan:
                 {"key": k, "freq_mhz": f, "sms": c.sms, "slot": c.slot}
                 for (k, f), c in sorted(self.knobs_by_freq.items())
             ],
+            "instruction_knobs": [
+                {"stage": s, "microbatch": m, "direction": d,
+                 "knobs": {k: {"sms": c.sms, "slot": c.slot} for k, c in sorted(kn.items())}}
+                for (s, m, d), kn in sorted(self.instruction_knobs.items())
+            ],
+            "sequential": [{"stage": s, "microbatch": m, "direction": d}
+                           for s, m, d in sorted(self.sequential)],
         }
 
     @classmethod
@@ -89,6 +112,15 @@ class ExecutionPlan:
                                                                          e["slot"])
                     for e in doc.get("knobs_by_freq", [])
                 },
+                instruction_knobs={
+                    (int(e["stage"]), int(e["microbatch"]), str(e["direction"])): {
+                        str(k): PartitionChoice(int(v["sms"]), v["slot"])
+                        for k, v in e["knobs"].items()}
+                    for e in doc.get("instruction_knobs", [])
+                },
+                sequential=frozenset(
+                    (int(e["stage"]), int(e["microbatch"]), str(e["direction"]))
+                    for e in doc.get("sequential", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, SpecError):

@@ -16,7 +16,7 @@ import numpy as np
 
 from kareus.pareto import hypervolume_improvements, pareto_mask
 
-PASSES = ("hv_total", "hv_dynamic", "fastest", "uncertainty")
+PASSES = ("hv_total", "hv_dynamic", "fastest", "uncertainty", "per_frequency")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Candidates:
     """Predictions for the unmeasured settings."""
 
     index: np.ndarray  # setting indices
+    freq_mhz: np.ndarray
     time_s: np.ndarray
     dynamic_j: np.ndarray
     time_std: np.ndarray
@@ -52,17 +53,26 @@ def pass_counts(batch_size: int, shares: tuple[float, ...]) -> list[int]:
 
 
 def select_batch(cands: Candidates, observed_time: np.ndarray, observed_dyn: np.ndarray,
-                 measured_features: np.ndarray, static_w: float, batch_size: int,
-                 shares: tuple[float, ...]) -> list[int]:
+                 observed_freq: np.ndarray, measured_features: np.ndarray, static_w: float,
+                 batch_size: int, shares: tuple[float, ...], reference: str = "front"
+                 ) -> list[int]:
     """Setting indices of the next batch (distinct, unmeasured)."""
+    shares = tuple(shares) + (0.0,) * (len(PASSES) - len(shares))
     counts = pass_counts(min(batch_size, len(cands.index)), shares)
+    # the uncertainty pass runs last: it takes what the others could not fill
+    order = [i for i in range(len(PASSES)) if PASSES[i] != "uncertainty"] + [
+        PASSES.index("uncertainty")]
     taken = np.zeros(len(cands.index), dtype=bool)
     chosen: list[int] = []
     leftover = 0
-    for name, want in zip(PASSES, counts):
+    for pi in order:
+        name, want = PASSES[pi], counts[pi]
         want += leftover if name == "uncertainty" else 0
-        if name in ("hv_total", "hv_dynamic"):
-            picks = _hv_pass(cands, observed_time, observed_dyn, static_w, name, want, taken)
+        if name == "per_frequency":
+            picks = _per_frequency_pass(cands, observed_time, observed_freq, want, taken)
+        elif name in ("hv_total", "hv_dynamic"):
+            picks = _hv_pass(cands, observed_time, observed_dyn, static_w, name, want, taken,
+                             reference)
         elif name == "fastest":
             picks = _fastest_pass(cands, want, taken)
         else:
@@ -74,12 +84,21 @@ def select_batch(cands: Candidates, observed_time: np.ndarray, observed_dyn: np.
     return chosen
 
 
-def _hv_pass(cands, obs_t, obs_d, static_w, name, want, taken) -> list[int]:
+def _hv_pass(cands, obs_t, obs_d, static_w, name, want, taken, reference) -> list[int]:
+    """Reference point: "worst" is the artifact's 1.1 x the worst observed values (FACTS
+    §4); "front" (default) normalises by the current front's ideal and nadir points and
+    puts the reference 10% beyond the nadir, so improvements are scored where the frontier
+    is, including its two ends, rather than in the far corner of bad settings."""
     observed = _objectives(obs_t, obs_d, static_w, name)
-    worst = observed.max(axis=0)
-    front = observed[np.asarray(pareto_mask(observed))] / worst
-    pred = _objectives(*cands.optimistic(), static_w, name) / worst
-    ref = (1.1, 1.1)  # 1.1 x the worst observed values (FACTS §4)
+    front = observed[np.asarray(pareto_mask(observed))]
+    pred = _objectives(*cands.optimistic(), static_w, name)
+    if reference == "worst":
+        lo, span = np.zeros(2), observed.max(axis=0)
+    else:
+        lo = front.min(axis=0)
+        span = np.maximum(front.max(axis=0) - lo, 1e-9 * np.abs(lo) + 1e-300)
+    front, pred = (front - lo) / span, (pred - lo) / span
+    ref = (1.1, 1.1)
     picks: list[int] = []
     for _ in range(want):
         gain = hypervolume_improvements(front, pred, ref)
@@ -90,6 +109,28 @@ def _hv_pass(cands, obs_t, obs_d, static_w, name, want, taken) -> list[int]:
             break
         picks.append(best)
         front = np.vstack([front, pred[best]])  # believe the prediction, move on
+    return picks
+
+
+def _per_frequency_pass(cands, obs_t, obs_f, want, taken) -> list[int]:
+    """At most one setting per clock: where the (optimistic) predicted time beats the best
+    time measured at that clock by the largest margin. Dynamic energy hardly depends on the
+    other knobs at a fixed clock, so each clock's fastest setting is a frontier point."""
+    t_opt, _ = cands.optimistic()
+    best = {}
+    for t, f in zip(obs_t, obs_f):
+        best[f] = min(best.get(f, np.inf), t)
+    gain = np.array([(best.get(f, np.inf) - t) / t for t, f in zip(t_opt, cands.freq_mhz)])
+    gain[taken] = -np.inf
+    picks: list[int] = []
+    used: set = set()
+    for i in np.argsort(-gain, kind="stable"):
+        if len(picks) >= want or not gain[i] > 0:
+            break
+        if cands.freq_mhz[i] in used:
+            continue
+        picks.append(int(i))
+        used.add(cands.freq_mhz[i])
     return picks
 
 

@@ -3,10 +3,11 @@ import itertools
 import pytest
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.iteration import IterationSimulator, one_f_one_b
+from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.execution import ExecutionPlan
 from kareus.methods import baseline_plan
 from kareus.partition import PartitionSet
+from kareus.schedule import one_f_one_b
 from kareus.sources import build_job
 
 

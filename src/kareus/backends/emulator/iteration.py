@@ -22,19 +22,10 @@ from kareus.backends.base import ZERO, Knobs, Measurement
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.execution import ExecutionPlan
 from kareus.partition import PartitionSet
+from kareus.schedule import one_f_one_b, schedule
 from kareus.workload.graph import StageGraph
 from kareus.workload.layer import backward_ops, forward_ops
 from kareus.workload.ops import Op
-
-
-def one_f_one_b(pp: int, microbatches: int, stage: int) -> list[tuple[int, str]]:
-    """The 1F1B instruction order of one stage: (microbatch, direction)."""
-    warmup = min(pp - stage - 1, microbatches)
-    order = [(m, "forward") for m in range(warmup)]
-    for i in range(microbatches - warmup):
-        order += [(warmup + i, "forward"), (i, "backward")]
-    order += [(m, "backward") for m in range(microbatches - warmup, microbatches)]
-    return order
 
 
 @dataclass
@@ -91,30 +82,43 @@ class IterationSimulator:
 
     # One instruction ----------------------------------------------------------------------
 
-    def instruction(self, plan: ExecutionPlan, stage: int, direction: str, freq_mhz: int
-                    ) -> Measurement:
-        key = (id(plan), plan.overlap, stage, direction, freq_mhz)
+    def instruction(self, plan: ExecutionPlan, stage: int, direction: str, freq_mhz: int,
+                    microbatch: int | None = None) -> Measurement:
+        """One instruction's cost; ``microbatch`` selects per-instruction knobs, if any."""
+        if plan.runs_sequential(stage, direction, microbatch):
+            key: tuple = ("seq", stage, direction, freq_mhz)
+            compute = lambda: self._sequential(stage, direction, freq_mhz)  # noqa: E731
+        else:
+            iid = None if microbatch is None else (stage, microbatch, direction)
+            knobs = self._knobs(plan, stage, direction, freq_mhz, iid)
+            key = ("ovl", stage, direction, freq_mhz, knobs, plan.default_sms)
+            compute = lambda: self._overlapped(stage, direction, freq_mhz, knobs,  # noqa: E731
+                                               plan.default_sms)
         hit = self._instr.get(key)
         if hit is None:
-            if plan.overlap:
-                hit = self._overlapped(plan, stage, direction, freq_mhz)
-            else:
-                hit = self._sequential(stage, direction, freq_mhz)
-            self._instr[key] = hit
+            hit = self._instr[key] = compute()
         return hit
 
-    def _overlapped(self, plan: ExecutionPlan, stage: int, direction: str, freq_mhz: int
-                    ) -> Measurement:
+    def _knobs(self, plan, stage, direction, freq_mhz, iid) -> tuple:
+        keys = self.ps.layouts[(stage, direction)].partition_counts()
+        out = []
+        for k in sorted(keys):
+            c = plan.choice(k, freq_mhz, self.backend.default_sms, iid)
+            slot = self.ps[k].slots[0].name if c.slot == "first" else c.slot
+            out.append((k, c.sms, slot))
+        return tuple(out)
+
+    def _overlapped(self, stage: int, direction: str, freq_mhz: int, knobs: tuple,
+                    default_sms: int | None) -> Measurement:
         b = self.backend
+        chosen = {k: (sms, slot) for k, sms, slot in knobs}
         total = ZERO
         for step in self.ps.layouts[(stage, direction)].steps:
             if step.kind == "partition":
-                p = self.ps[step.key]
-                c = plan.choice(step.key, freq_mhz, b.default_sms)
-                slot = p.slots[0].name if c.slot == "first" else c.slot
-                total = total + b.measure_exact(p, Knobs(freq_mhz, c.sms, slot))
+                sms, slot = chosen[step.key]
+                total = total + b.measure_exact(self.ps[step.key], Knobs(freq_mhz, sms, slot))
             else:
-                total = total + b.run_ops(step.ops, freq_mhz, plan.default_sms)
+                total = total + b.run_ops(step.ops, freq_mhz, default_sms)
         return total
 
     def _sequential(self, stage: int, direction: str, freq_mhz: int) -> Measurement:
@@ -143,63 +147,46 @@ class IterationSimulator:
         stages = self.ps.graph.stages
         # Transfers between stages: their time delays the receiver; their (small) dynamic
         # energy is the sender's.
-        p2p = {}
-        for s in stages:
-            sends = [op for op in (*s.forward_post, *s.backward_post)
-                     if op.is_collective and op.group == "pp"]
-            p2p[s.index] = {op.name: b.run_ops((op,), plan.default_freq_mhz) for op in sends}
-        orders = [one_f_one_b(pp, mbs, s) for s in range(pp)]
-        finish: dict[tuple[int, int, str], float] = {}
-        free = [0.0] * pp
-        pos = [0] * pp
+        sends = {s.index: {op.name: b.run_ops((op,), plan.default_freq_mhz)
+                           for op in (*s.forward_post, *s.backward_post)
+                           if op.is_collective and op.group == "pp"} for s in stages}
+        ends = [b.run_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
+                for g in stages]
+        costs: dict = {}
+
+        def duration(iid) -> float:
+            s, m, d = iid
+            costs[iid] = self.instruction(plan, s, d, plan.freq(s, m, d), m)
+            return costs[iid].time_s
+
+        def send(s: int, name: str) -> float:
+            m = sends[s].get(name)
+            return m.time_s if m is not None else 0.0
+
+        timing = schedule(pp, mbs, duration,
+                          [send(s, "send_activation") for s in range(pp)],
+                          [send(s, "send_grad") for s in range(pp)],
+                          [e.time_s for e in ends])
         reports = [StageReport(s) for s in range(pp)]
-        remaining = sum(len(o) for o in orders)
-        while remaining:
-            progressed = False
-            for s in range(pp):
-                while pos[s] < len(orders[s]):
-                    m, d = orders[s][pos[s]]
-                    ready = self._ready_time(finish, p2p, s, m, d, pp)
-                    if ready is None:
-                        break
-                    f = plan.freq(s, m, d)
-                    cost = self.instruction(plan, s, d, f)
-                    start = max(free[s], ready)
-                    free[s] = finish[(s, m, d)] = start + cost.time_s
-                    rep = reports[s]
-                    rep.busy_s += cost.time_s
-                    rep.dynamic_energy_j += cost.dynamic_energy_j
-                    if with_instructions:
-                        rep.instructions.append({
-                            "microbatch": m, "direction": d, "freq_mhz": f, "start_s": start,
-                            "time_s": cost.time_s, "dynamic_energy_j": cost.dynamic_energy_j})
-                    pos[s] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:  # pragma: no cover - 1F1B orders never deadlock
-                raise RuntimeError("pipeline schedule deadlocked")
-        for s, g in enumerate(stages):
-            for sent in p2p[s].values():
-                reports[s].dynamic_energy_j += sent.dynamic_energy_j * mbs
-            end = b.run_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
-            reports[s].busy_s += end.time_s
-            reports[s].dynamic_energy_j += end.dynamic_energy_j
-            reports[s].end_s = free[s] + end.time_s
-        time_s = max(r.end_s for r in reports)
+        for s in range(pp):
+            rep = reports[s]
+            for m, d in one_f_one_b(pp, mbs, s):
+                cost = costs[(s, m, d)]
+                rep.busy_s += cost.time_s
+                rep.dynamic_energy_j += cost.dynamic_energy_j
+                if with_instructions:
+                    rep.instructions.append({
+                        "microbatch": m, "direction": d, "freq_mhz": plan.freq(s, m, d),
+                        "start_s": timing.start[(s, m, d)], "time_s": cost.time_s,
+                        "dynamic_energy_j": cost.dynamic_energy_j})
+            for sent in sends[s].values():
+                rep.dynamic_energy_j += sent.dynamic_energy_j * mbs
+            rep.busy_s += ends[s].time_s
+            rep.dynamic_energy_j += ends[s].dynamic_energy_j
+            rep.end_s = timing.stage_end[s]
+        time_s = timing.iteration_s
         gpus_per_stage = job.num_gpus // pp
         dynamic = gpus_per_stage * sum(r.dynamic_energy_j for r in reports)
         static = job.num_gpus * time_s * b.static_power_w
         return IterationResult(plan.name, time_s, dynamic + static, static, dynamic,
                                job.num_gpus, reports)
-
-    @staticmethod
-    def _ready_time(finish, p2p, s, m, d, pp) -> float | None:
-        if d == "forward":
-            if s == 0:
-                return 0.0
-            prev = finish.get((s - 1, m, "forward"))
-            return None if prev is None else prev + p2p[s - 1]["send_activation"].time_s
-        if s == pp - 1:
-            return finish.get((s, m, "forward"))
-        nxt = finish.get((s + 1, m, "backward"))
-        return None if nxt is None else nxt + p2p[s + 1]["send_grad"].time_s

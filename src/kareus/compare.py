@@ -1,0 +1,93 @@
+"""`kareus compare`: every preset of a suite through `optimize`, side by side."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from kareus import SCHEMA_VERSION
+from kareus.errors import KareusError
+from kareus.presets import JOB_PRESETS
+from kareus.report import NAMES, frontier_figure
+from kareus.search.loop import SearchConfig
+from kareus.sources import build_job
+
+SUITES = {"kareus": [f"kareus-{i}" for i in range(1, 11)]}
+
+# The paper's headline numbers (FACTS §4): best case over its ten workloads.
+PAPER = {
+    "iso_time_energy_reduction": 0.283,
+    "iso_energy_time_reduction": 0.275,
+    "max_throughput_time_reduction_vs_megatron": 0.149,
+    "max_throughput_energy_reduction_vs_megatron": 0.221,
+}
+
+METRIC_COLUMNS = ("iso_time_energy_reduction", "iso_energy_time_reduction",
+                  "max_throughput_time_reduction_vs_megatron",
+                  "max_throughput_energy_reduction_vs_megatron")
+
+
+def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
+              noise: float = 0.0, workers: int | None = None,
+              log: Callable[[str], None] | None = None) -> dict:
+    from kareus.optimize import optimize
+
+    if suite not in SUITES:
+        raise KareusError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = []
+    for preset in SUITES[suite]:
+        assert preset in JOB_PRESETS
+        if log:
+            log(f"{preset}: optimizing")
+        job = build_job(preset)
+        r = optimize(job, out / preset, SearchConfig(budget=budget, seed=seed), noise,
+                     workers=workers)
+        frontier_figure(r.frontier_points(), out / f"{preset}.png", job.describe())
+        configs.append({
+            "preset": preset,
+            "job": job.describe(),
+            "methods": {m: {"frontier": [{"time_s": t, "energy_j": e} for t, e in pts]}
+                        for m, pts in r.frontier_points().items()},
+            "metrics": {m: {k: r.metrics.get(m, {}).get(k) for k in METRIC_COLUMNS}
+                        for m in ("kareus", "nanobatch_perseus", "kareus_no_freq",
+                                  "nanobatch", "perseus")},
+            "validation_max_rel_error": r.validation_max_error,
+        })
+    doc = {"schema_version": SCHEMA_VERSION, "suite": suite, "budget": budget, "seed": seed,
+           "noise": noise, "configs": configs, "paper_headline": PAPER}
+    (out / "compare.json").write_text(json.dumps(doc, indent=1))
+    (out / "compare.md").write_text(compare_markdown(doc))
+    return doc
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{x * 100:.1f}%"
+
+
+def compare_markdown(doc: dict) -> str:
+    heads = ["iso-time energy vs Perseus", "iso-energy time vs Perseus",
+             "max-throughput time vs Megatron", "max-throughput energy vs Megatron"]
+    lines = [f"# Kareus suite `{doc['suite']}` (emulator, budget {doc['budget']}, seed "
+             f"{doc['seed']})", "",
+             "Reductions (higher is better). Kareus / Nanobatching + Perseus in each cell.", "",
+             "| config | job | " + " | ".join(heads) + " |",
+             "|---|---|" + "---|" * len(heads)]
+    best = {k: None for k in METRIC_COLUMNS}
+    for c in doc["configs"]:
+        cells = []
+        for k in METRIC_COLUMNS:
+            ka = c["metrics"]["kareus"][k]
+            nb = c["metrics"]["nanobatch_perseus"][k]
+            cells.append(f"{_pct(ka)} / {_pct(nb)}")
+            if ka is not None and (best[k] is None or ka > best[k]):
+                best[k] = ka
+        lines.append(f"| {c['preset']} | {c['job']} | " + " | ".join(cells) + " |")
+    lines += ["", "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads),
+              "| Kareus, best over the suite | " + " | ".join(_pct(best[k])
+                                                             for k in METRIC_COLUMNS) + " |",
+              "| Kareus paper (up to) | " + " | ".join(_pct(doc["paper_headline"][k])
+                                                      for k in METRIC_COLUMNS) + " |", ""]
+    return "\n".join(lines)

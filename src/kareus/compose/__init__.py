@@ -1,0 +1,1 @@
+"""Composition: partition frontiers -> instruction options -> iteration frontier (lowtime)."""

@@ -1,0 +1,182 @@
+"""The iteration frontier: the 1F1B pipeline DAG solved for its time-energy tradeoff.
+
+Every instruction (stage, microbatch, direction) is an operation whose execution options
+are its stage's instruction options for that direction. The `lowtime` package's
+Phillips-Dessouky solver starts from every instruction at its slowest option and shortens
+the critical path one time unit at a time at the least increase in dynamic energy. After
+each step the chosen options are read back and the plan is evaluated exactly (the same
+1F1B list schedule the emulator uses, with the options' real times): iteration time, and
+energy = GPUs per stage x sum of dynamic energies + GPUs x time x static power. The
+frontier is the Pareto set of the plans met on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from kareus.compose.instruction import InstructionOption, pareto_front
+from kareus.errors import KareusError
+from kareus.schedule import InstructionId, one_f_one_b, schedule
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Everything the pipeline needs besides the instruction options."""
+
+    pp: int
+    microbatches: int
+    gpus: int
+    static_power_w: float
+    send_activation_s: tuple[float, ...]
+    send_grad_s: tuple[float, ...]
+    end_s: tuple[float, ...]
+    fixed_dynamic_j: tuple[float, ...]
+    """Per stage, per GPU: transfers' and end-of-iteration dynamic energy."""
+
+
+@dataclass(frozen=True)
+class PipelinePoint:
+    time_s: float
+    energy_j: float
+    dynamic_energy_j: float
+    choice: dict[InstructionId, int]
+    """Per instruction, the index of its option in its stage/direction's option list."""
+
+
+def evaluate(options: dict[tuple[int, str], list[InstructionOption]], costs: PipelineCosts,
+             choice: dict[InstructionId, int]) -> PipelinePoint:
+    def duration(iid: InstructionId) -> float:
+        s, _m, d = iid
+        return options[(s, d)][choice[iid]].time_s
+
+    timing = schedule(costs.pp, costs.microbatches, duration, list(costs.send_activation_s),
+                      list(costs.send_grad_s), list(costs.end_s))
+    per_gpu = sum(options[(s, d)][i].dynamic_energy_j for (s, _m, d), i in choice.items())
+    per_gpu += sum(costs.fixed_dynamic_j)
+    dynamic = costs.gpus // costs.pp * per_gpu
+    t = timing.iteration_s
+    return PipelinePoint(t, dynamic + costs.gpus * t * costs.static_power_w, dynamic,
+                         dict(choice))
+
+
+def _uniform(options, costs, pick) -> dict[InstructionId, int]:
+    return {(s, m, d): pick(options[(s, d)]) for s in range(costs.pp)
+            for m, d in one_f_one_b(costs.pp, costs.microbatches, s)}
+
+
+def solve_frontier(options: dict[tuple[int, str], list[InstructionOption]],
+                   costs: PipelineCosts, max_steps: int = 400) -> list[PipelinePoint]:
+    """Pareto frontier of (iteration time, energy) plans.
+
+    ``options[(stage, direction)]`` must be Pareto-sorted, fastest first. The time unit is
+    1 ms or coarser, so that the solver takes at most about ``max_steps`` steps between the
+    slowest and the fastest plan (large pipelines stay fast).
+    """
+    options = {k: pareto_front(v) for k, v in options.items()}
+    fastest = evaluate(options, costs, _uniform(options, costs, lambda o: 0))
+    slowest = evaluate(options, costs, _uniform(options, costs, lambda o: len(o) - 1))
+    points = [fastest, slowest]
+    if all(len(v) == 1 for v in options.values()):
+        return _frontier(points)
+    unit = max(1e-3, (slowest.time_s - fastest.time_s) / max_steps)
+    for choice in _phillips_dessouky(options, costs, unit):
+        points.append(evaluate(options, costs, choice))
+    return _frontier(points)
+
+
+def _frontier(points: list[PipelinePoint]) -> list[PipelinePoint]:
+    return pareto_front(points, key=lambda p: (p.time_s, p.energy_j))
+
+
+def _phillips_dessouky(options, costs: PipelineCosts, unit: float):
+    """Yield the per-instruction option choice after every solver step."""
+    import networkx as nx
+    from lowtime.cost_model import CostModel
+    from lowtime.operation import (
+        CandidateExecutionOptions,
+        DummyOperation,
+        ExecutionOption,
+        Operation,
+        OperationSpec,
+    )
+    from lowtime.solver import PhillipsDessouky
+
+    class HullCost(CostModel):
+        """Piecewise-linear through the lower convex hull of the options: exact at the
+        hull's vertices, convex as Phillips-Dessouky needs."""
+
+        def __init__(self, cands: CandidateExecutionOptions) -> None:
+            pts = sorted({(o.quant_time, o.cost) for o in cands.options})
+            hull: list[tuple[int, float]] = []
+            for p in pts:
+                while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+                    hull.pop()
+                hull.append(p)
+            self.xs = np.array([h[0] for h in hull], dtype=float)
+            self.ys = np.array([h[1] for h in hull], dtype=float)
+
+        def __call__(self, quant_time: int) -> float:
+            return float(np.interp(quant_time, self.xs, self.ys))
+
+    def spec(opts: list[tuple[float, float]]) -> OperationSpec:
+        cands = CandidateExecutionOptions(options=[
+            ExecutionOption(real_time=t, unit_time=unit, cost=e, knob=i)
+            for i, (t, e) in enumerate(opts)])
+        return OperationSpec(options=cands, cost_model=HullCost(cands))
+
+    specs = {k: spec([(o.time_s, o.dynamic_energy_j) for o in v]) for k, v in options.items()}
+    dag = nx.DiGraph()
+    node = 0
+
+    def add(op) -> int:
+        nonlocal node
+        node += 1
+        dag.add_node(node, op=op)
+        return node
+
+    source, sink = add(DummyOperation()), add(DummyOperation())
+    ids: dict[InstructionId, int] = {}
+    ops: dict[InstructionId, Operation] = {}
+    for s in range(costs.pp):
+        prev = source
+        for m, d in one_f_one_b(costs.pp, costs.microbatches, s):
+            op = Operation(spec=specs[(s, d)])
+            ops[(s, m, d)] = op
+            ids[(s, m, d)] = n = add(op)
+            dag.add_edge(prev, n)
+            prev = n
+        if costs.end_s[s] > 0:
+            end = add(Operation(spec=spec([(costs.end_s[s], 0.0)])))
+            dag.add_edge(prev, end)
+            prev = end
+        dag.add_edge(prev, sink)
+    for s in range(costs.pp - 1):
+        for m in range(costs.microbatches):
+            for a, b, delay in (((s, m, "forward"), (s + 1, m, "forward"),
+                                 costs.send_activation_s[s]),
+                                ((s + 1, m, "backward"), (s, m, "backward"),
+                                 costs.send_grad_s[s + 1])):
+                if delay > 0:
+                    link = add(Operation(spec=spec([(delay, 0.0)])))
+                    dag.add_edge(ids[a], link)
+                    dag.add_edge(link, ids[b])
+                else:
+                    dag.add_edge(ids[a], ids[b])
+    dag.graph["source_node"], dag.graph["sink_node"] = source, sink
+
+    logging.getLogger("lowtime").setLevel(logging.WARNING)
+    try:
+        for _ in PhillipsDessouky(dag, attr_name="op").run():
+            yield {iid: int(op.assigned_knob) for iid, op in ops.items()}
+    except BaseException as exc:  # lowtime's Rust core raises PanicException(BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        raise KareusError(f"the pipeline solver (lowtime) failed: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
+def _cross(o, a, b) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])

@@ -1,0 +1,126 @@
+"""Plans on a method's iteration frontier, their files, and choosing one.
+
+A Plan is one point of a method's frontier: the ExecutionPlan (clock per instruction,
+settings per partition key per instruction), its predicted iteration time and energy, and
+the emulator's whole-iteration simulation of it (validation).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kareus import SCHEMA_VERSION
+from kareus.errors import KareusError, SpecError
+from kareus.execution import ExecutionPlan
+
+OBJECTIVES = ("max-throughput", "min-energy", "deadline", "energy-budget")
+
+
+@dataclass
+class Plan:
+    id: str
+    method: str
+    time_s: float
+    energy_j: float
+    execution: ExecutionPlan
+    simulated_time_s: float | None = None
+    simulated_energy_j: float | None = None
+
+    @property
+    def fallback_sequential(self) -> bool:
+        """True when the plan runs some instructions without overlap (Megatron-style)."""
+        return bool(self.execution.sequential)
+
+    def summary(self) -> dict:
+        return {"id": self.id, "method": self.method, "time_s": self.time_s,
+                "energy_j": self.energy_j, "simulated_time_s": self.simulated_time_s,
+                "simulated_energy_j": self.simulated_energy_j,
+                "sequential_instructions": len(self.execution.sequential)}
+
+    def to_dict(self, job: dict | None = None) -> dict:
+        d = {"schema_version": SCHEMA_VERSION, **self.summary(),
+             "execution": self.execution.to_dict()}
+        if job is not None:
+            d["job"] = job
+        return d
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Plan:
+        try:
+            if doc.get("schema_version") != SCHEMA_VERSION:
+                raise SpecError(f"unsupported plan schema_version {doc.get('schema_version')!r}")
+            return cls(str(doc["id"]), str(doc["method"]), float(doc["time_s"]),
+                       float(doc["energy_j"]), ExecutionPlan.from_dict(doc["execution"]),
+                       doc.get("simulated_time_s"), doc.get("simulated_energy_j"))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, SpecError):
+                raise
+            raise SpecError(f"corrupt plan: {type(exc).__name__}: {exc}") from None
+
+
+def load_json(path: Path, what: str) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KareusError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KareusError(f"cannot read {what} {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise KareusError(f"{what} {path} is not a JSON object")
+    return doc
+
+
+def load_frontier(result_dir: str | Path, method: str) -> list[dict]:
+    """The method's frontier points from DIR/result.json: dicts with time_s, energy_j, plan."""
+    path = Path(result_dir) / "result.json"
+    doc = load_json(path, "result")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise KareusError(f"{path}: unsupported schema_version {doc.get('schema_version')!r}")
+    methods = doc.get("methods")
+    if not isinstance(methods, dict) or method not in methods:
+        known = ", ".join(methods) if isinstance(methods, dict) else "none"
+        raise KareusError(f"{path} has no method {method!r}; methods: {known}")
+    front = methods[method].get("frontier")
+    if not isinstance(front, list) or not front:
+        raise KareusError(f"{path}: method {method} has an empty frontier")
+    try:
+        return [{"time_s": float(p["time_s"]), "energy_j": float(p["energy_j"]),
+                 "plan": str(p["plan"])} for p in front]
+    except (KeyError, TypeError, ValueError):
+        raise KareusError(f"{path}: corrupt frontier of {method}") from None
+
+
+def select(frontier: list[dict], objective: str, value: float | None = None) -> dict:
+    """The frontier point meeting ``objective``.
+
+    max-throughput: the fastest; min-energy: the least energy; deadline: the least energy
+    among plans no slower than ``value`` seconds; energy-budget: the fastest among plans
+    using at most ``value`` joules. Raises KareusError stating the feasible range.
+    """
+    if not frontier:
+        raise KareusError("the frontier is empty")
+    if objective == "max-throughput":
+        return min(frontier, key=lambda p: (p["time_s"], p["energy_j"]))
+    if objective == "min-energy":
+        return min(frontier, key=lambda p: (p["energy_j"], p["time_s"]))
+    if value is None or not value > 0:
+        raise KareusError(f"--{objective} needs a positive number")
+    if objective == "deadline":
+        ok = [p for p in frontier if p["time_s"] <= value]
+        if not ok:
+            fastest = min(p["time_s"] for p in frontier)
+            raise KareusError(f"no plan meets a {value:g} s deadline: iteration times range "
+                              f"from {fastest:.4f} s to {max(p['time_s'] for p in frontier):.4f}"
+                              f" s")
+        return min(ok, key=lambda p: (p["energy_j"], p["time_s"]))
+    if objective == "energy-budget":
+        ok = [p for p in frontier if p["energy_j"] <= value]
+        if not ok:
+            least = min(p["energy_j"] for p in frontier)
+            raise KareusError(f"no plan fits a {value:g} J budget: iteration energies range "
+                              f"from {least:.1f} J to {max(p['energy_j'] for p in frontier):.1f}"
+                              f" J")
+        return min(ok, key=lambda p: (p["time_s"], p["energy_j"]))
+    raise KareusError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")

@@ -1,0 +1,71 @@
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kareus.pareto import hypervolume, hypervolume_improvements
+from kareus.search.acquisition import Candidates, pass_counts, select_batch
+
+
+def test_pass_counts_follow_shares():
+    assert pass_counts(10, (0.4, 0.2, 0.2, 0.2)) == [4, 2, 2, 2]
+    assert sum(pass_counts(7, (0.4, 0.2, 0.2, 0.2))) == 7
+    assert pass_counts(5, (1, 0, 0, 0)) == [5, 0, 0, 0]
+
+
+def _grid_hv(points, ref, step=0.01):
+    """Brute-force hypervolume on a grid, for checking."""
+    xs = np.arange(0, ref[0], step) + step / 2
+    ys = np.arange(0, ref[1], step) + step / 2
+    gx, gy = np.meshgrid(xs, ys)
+    covered = np.zeros_like(gx, dtype=bool)
+    for x, y in points:
+        covered |= (gx >= x) & (gy >= y)
+    return covered.sum() * step * step
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.05, 1.0), st.floats(0.05, 1.0)), min_size=1,
+                max_size=8))
+def test_hypervolume_matches_brute_force(points):
+    assert abs(hypervolume(np.array(points), (1.1, 1.1)) - _grid_hv(points, (1.1, 1.1))) < 0.03
+
+
+def test_hypervolume_improvement_is_zero_for_dominated_points():
+    front = np.array([[0.2, 0.8], [0.5, 0.5], [0.8, 0.2]])
+    cands = np.array([[0.6, 0.6], [0.4, 0.4], [1.2, 0.1], [0.5, 0.5]])
+    gain = hypervolume_improvements(front, cands, (1.1, 1.1))
+    assert gain[0] == 0 and gain[2] == 0 and gain[3] == 0
+    assert gain[1] > 0
+
+
+def test_select_batch_is_distinct_and_from_the_candidates():
+    rng = np.random.default_rng(0)
+    n = 200
+    feats = rng.random((n, 3))
+    t = 1 + rng.random(n)
+    d = 1 + rng.random(n)
+    freqs = rng.choice([1410, 1200, 900], size=n)
+    cands = Candidates(np.arange(1000, 1000 + n), freqs, t, d, 0.1 * t, 0.1 * d, feats, 1.0)
+    batch = select_batch(cands, np.array([1.5, 1.8]), np.array([1.5, 1.2]),
+                         np.array([1410, 900]), rng.random((2, 3)), 85.0, 10,
+                         (0.3, 0.15, 0.1, 0.15, 0.3))
+    assert len(batch) == len(set(batch)) == 10
+    assert all(1000 <= i < 1000 + n for i in batch)
+    # the fastest predicted setting is among them
+    assert 1000 + int(np.argmin(t)) in batch
+    for a, b in itertools.combinations(batch, 2):
+        assert a != b
+
+
+def test_per_frequency_pass_takes_one_setting_per_clock():
+    n = 30
+    freqs = np.repeat([1410, 1200, 900], 10)
+    t = np.linspace(1.0, 2.0, n)
+    cands = Candidates(np.arange(n), freqs, t, np.ones(n), 0 * t, 0 * t, np.zeros((n, 1)))
+    batch = select_batch(cands, np.array([3.0]), np.array([1.0]), np.array([1410]),
+                         np.zeros((1, 1)), 85.0, 3, (0, 0, 0, 0, 1))
+    assert sorted(freqs[batch].tolist()) == [900, 1200, 1410]
+    # at each clock, the fastest predicted setting
+    assert sorted(batch) == [0, 10, 20]

@@ -1,0 +1,202 @@
+import itertools
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator.params import default_params
+from kareus.errors import SpecError
+from kareus.partition import PartitionSet
+from kareus.search import SearchConfig, run_search
+from kareus.search.quality import FrontierQuality
+from kareus.search.space import KnobSpace
+from kareus.sources import build_job
+from kareus.store import Journal, job_id
+
+JOB = build_job("kareus-1")
+PS = PartitionSet.from_job(JOB)
+
+
+class CountingBackend(EmulatorBackend):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    def measure(self, partition, knobs):
+        self.calls.append(knobs)
+        return super().measure(partition, knobs)
+
+
+def _search(key="fwd_mlp", seed=0, noise=0.03, journal=None, **cfg):
+    b = CountingBackend(JOB, noise=noise, seed=seed)
+    cfg.setdefault("budget", 40)
+    cfg.setdefault("tolerance", 0)
+    jid = journal.register_job(JOB) if journal is not None else ""
+    r = run_search(PS[key], b, JOB.freqs_mhz, SearchConfig(seed=seed, **cfg), journal, jid)
+    return r, b
+
+
+def test_seeded_runs_are_reproducible():
+    a, _ = _search(seed=4)
+    b, _ = _search(seed=4)
+    c, _ = _search(seed=5)
+    assert [s.knobs for s in a.samples] == [s.knobs for s in b.samples]
+    assert [s.measurement for s in a.samples] == [s.measurement for s in b.samples]
+    assert [s.knobs for s in a.samples] != [s.knobs for s in c.samples]
+
+
+@pytest.mark.parametrize("strategy", ["mbo", "random"])
+def test_no_setting_is_measured_twice(strategy):
+    r, b = _search(strategy=strategy, budget=70, batch_size=7)
+    assert len(b.calls) == len(set(b.calls)) == 70 == r.measured_this_run
+    assert len(r.samples) == 70
+
+
+def test_exhaustive_measures_everything_once():
+    r, b = _search(strategy="exhaustive", noise=0.0)
+    assert len(b.calls) == len(set(b.calls)) == PS["fwd_mlp"].knob_space_size(18)
+    assert r.stopped == "budget"
+
+
+def test_journal_resume_measures_only_what_is_new(tmp_path):
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        first, _ = _search(budget=60, journal=j)
+    assert first.measured_this_run == 60
+    with Journal(path) as j:
+        second, b2 = _search(budget=100, journal=j)
+    assert second.measured_this_run == 40 and len(b2.calls) == 40
+    assert sum(s.reused for s in second.samples) == 60
+    assert {s.knobs for s in first.samples} <= {s.knobs for s in second.samples}
+    with Journal(path) as j:
+        assert len(j.samples(job_id(JOB), "fwd_mlp", second_backend_id(b2))) == 100
+
+
+def second_backend_id(backend):
+    from kareus.search.loop import backend_identity
+    return backend_identity(backend)
+
+
+def test_profiling_cost_counts_window_cooldown_and_settles():
+    r, b = _search(budget=30)
+    freqs = [k.freq_mhz for k in b.calls]
+    changes = 1 + sum(f1 != f2 for f1, f2 in itertools.pairwise(freqs))
+    p = b.protocol
+    assert r.profiling_cost_s == pytest.approx(30 * (p.window_s + p.cooldown_s)
+                                               + changes * p.settle_s)
+    # a batch is measured one clock at a time
+    assert changes < 30
+
+
+def test_hypervolume_history_grows_and_the_rule_stops():
+    r, _ = _search(budget=300, tolerance=0.01, patience=2)
+    hv = [h for _, h in r.hv_history]
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(hv))
+    assert r.stopped == "converged" and len(r.samples) < 300
+
+
+def test_frontier_is_pareto_in_time_and_dynamic_energy():
+    r, _ = _search(budget=40)
+    front = r.frontier
+    for s in front:
+        for t in r.samples:
+            assert not (t.measurement.time_s < s.measurement.time_s
+                        and t.measurement.dynamic_energy_j < s.measurement.dynamic_energy_j)
+    assert [s.measurement.time_s for s in front] == sorted(s.measurement.time_s for s in front)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(strategy="bayes"), "unknown strategy"),
+    (dict(budget=10), "smaller than the initial design"),
+    (dict(batch_size=0), "batch size"),
+    (dict(shares=(0, 0, 0, 0)), "shares"),
+])
+def test_bad_configs(cfg, message):
+    with pytest.raises(SpecError, match=message):
+        _search(**cfg)
+
+
+def _quality(truth, p):
+    pts = [(m.time_s, m.dynamic_energy_j) for m in
+           (truth.measure_exact(p, k) for k in KnobSpace(p, JOB.freqs_mhz, 1410).settings)]
+    return FrontierQuality(pts)
+
+
+def _true_ratio(truth, p, samples, quality):
+    return quality.ratio((m.time_s, m.dynamic_energy_j) for m in
+                         (truth.measure_exact(p, s.knobs) for s in samples))
+
+
+def test_mbo_beats_random_at_small_budgets():
+    truth = EmulatorBackend(JOB)
+    p = PS["bwd_attn"]
+    q = _quality(truth, p)
+    ratios = {"mbo": [], "random": []}
+    for seed in range(3):
+        for strategy in ratios:
+            r, _ = _search("bwd_attn", seed=seed, strategy=strategy, budget=60)
+            ratios[strategy].append(_true_ratio(truth, p, r.samples, q))
+    assert min(ratios["mbo"]) > max(ratios["random"])
+    assert np.median(ratios["mbo"]) > 0.95
+
+
+def test_emulator_prior_needs_fewer_real_measurements():
+    # the "real" GPU: an emulator with other constants, noise on
+    params = default_params(JOB.gpu_spec)
+    from dataclasses import replace
+    real_params = replace(params, gemm_efficiency=0.85, attention_efficiency=0.55,
+                          coll_cta_busbw_bytes_s=params.coll_cta_busbw_bytes_s * 0.8,
+                          sm_dynamic_power_w=params.sm_dynamic_power_w * 1.1,
+                          coll_clock_exponent=0.8)
+    truth = EmulatorBackend(JOB, params=real_params)
+    p = PS["bwd_mlp"]
+    q = _quality(truth, p)
+    with_prior, without = [], []
+    for seed in range(3):
+        cfg = SearchConfig(seed=seed, budget=20, tolerance=0)
+        real = EmulatorBackend(JOB, params=real_params, noise=0.03, seed=seed)
+        r = run_search(p, real, JOB.freqs_mhz, cfg, prior=EmulatorBackend(JOB))
+        with_prior.append(_true_ratio(truth, p, r.samples, q))
+        real = EmulatorBackend(JOB, params=real_params, noise=0.03, seed=seed)
+        r = run_search(p, real, JOB.freqs_mhz, cfg)
+        without.append(_true_ratio(truth, p, r.samples, q))
+    assert np.median(with_prior) > np.median(without) + 0.1
+    assert np.median(with_prior) > 0.85
+
+
+def test_sigkill_mid_search_loses_no_stored_sample(tmp_path):
+    path = tmp_path / "j.sqlite"
+    cmd = [sys.executable, "-m", "kareus.cli", "search", "-p", "kareus-1", "--partition",
+           "bwd_attn", "--budget", "600", "--tolerance", "0", "--batch-size", "5",
+           "--noise", "0.03", "--journal", str(path), "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    stored = 0
+    while time.time() < deadline and stored < 40:
+        time.sleep(0.2)
+        if path.exists():
+            try:
+                with sqlite3.connect(path) as c:
+                    stored = c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+            except sqlite3.DatabaseError:
+                pass
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    with Journal(path) as j:
+        assert j.integrity_ok()
+        backend = EmulatorBackend(JOB, noise=0.03)
+        before = j.samples(job_id(JOB), "bwd_attn", second_backend_id(backend))
+    n = len(before)
+    assert 40 <= n < 600
+    with Journal(path) as j:
+        r, b = _search("bwd_attn", noise=0.03, journal=j, budget=n + 10, batch_size=5)
+    assert r.measured_this_run == 10 and len(b.calls) == 10
+    kept = {s.knobs: s.measurement for s in r.samples if s.reused}
+    assert kept == {s.knobs: s.measurement for s in before}
