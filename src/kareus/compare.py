@@ -9,7 +9,7 @@ from pathlib import Path
 from kareus import SCHEMA_VERSION
 from kareus.errors import KareusError
 from kareus.presets import JOB_PRESETS
-from kareus.report import NAMES, frontier_figure
+from kareus.report import frontier_figure
 from kareus.search.loop import SearchConfig
 from kareus.sources import build_job
 
