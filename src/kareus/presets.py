@@ -82,15 +82,15 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
     "kareus-9": _paper_job("qwen3-1.7b", tp=4, cp=2, mbs=8, seq=8192),
     "kareus-10": _paper_job("qwen3-1.7b", tp=4, cp=2, mbs=16, seq=4096),
     # The paper's large-model emulation; the exact setup is not published, so this is ours:
-    # 64 A100-80GB, TP8 x PP8, 10 layers per stage.
+    # 64 H100, TP8 x PP8 (10 layers per stage), 32 microbatches of 2 x 4096 tokens.
     "llama3.3-70b-64gpu": dict(
         model="llama3.3-70b",
         tp=8,
         pp=8,
         micro_batch_size=2,
         seq_length=4096,
-        num_microbatches=16,
-        gpu="A100-80GB",
+        num_microbatches=32,
+        gpu="H100-SXM",
         gpus_per_node=8,
         nodes=8,
     ),

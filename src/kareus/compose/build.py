@@ -82,6 +82,8 @@ class Composer:
                         if fronts is None:
                             raise SpecError(f"{method} needs the partitions' search results")
                         opts += self._composed(stage, d, f, fronts)
+                        # the defaults and the sequential schedule are in Kareus's space too
+                        opts.append(self._measured(self._default, stage, d, f))
                         opts.append(self._measured(self._sequential, stage, d, f, seq=True))
                 out[(stage, d)] = pareto_front(opts)
         return out

@@ -67,14 +67,23 @@ def _uniform(options, costs, pick) -> dict[InstructionId, int]:
             for m, d in one_f_one_b(costs.pp, costs.microbatches, s)}
 
 
+def default_steps(costs: PipelineCosts) -> int:
+    """Solver steps between the slowest and the fastest plan: 400 for small pipelines,
+    fewer for large ones (each step costs time proportional to the DAG's size; lowtime
+    spends ~0.13 s per step on a 512-instruction pipeline here), never under 60."""
+    instructions = 2 * costs.pp * costs.microbatches
+    return max(60, min(400, 30_000 // instructions))
+
+
 def solve_frontier(options: dict[tuple[int, str], list[InstructionOption]],
-                   costs: PipelineCosts, max_steps: int = 400) -> list[PipelinePoint]:
+                   costs: PipelineCosts, max_steps: int | None = None) -> list[PipelinePoint]:
     """Pareto frontier of (iteration time, energy) plans.
 
     ``options[(stage, direction)]`` must be Pareto-sorted, fastest first. The time unit is
     1 ms or coarser, so that the solver takes at most about ``max_steps`` steps between the
-    slowest and the fastest plan (large pipelines stay fast).
+    slowest and the fastest plan (default: `default_steps`; large pipelines stay fast).
     """
+    max_steps = max_steps or default_steps(costs)
     options = {k: pareto_front(v) for k, v in options.items()}
     fastest = evaluate(options, costs, _uniform(options, costs, lambda o: 0))
     slowest = evaluate(options, costs, _uniform(options, costs, lambda o: len(o) - 1))
