@@ -564,7 +564,8 @@ def plan(
     time), or the fastest / least-energy plan."""
     from pathlib import Path
 
-    from kareus.plan import Plan, load_frontier, load_json, select
+    from kareus.jsonfile import read_json_object
+    from kareus.plan import Plan, load_frontier, select
 
     chosen = [name for name, on in (("max-throughput", max_throughput),
                                     ("min-energy", min_energy),
@@ -577,7 +578,7 @@ def plan(
     value = deadline if objective == "deadline" else energy_budget
     point = select(load_frontier(result, method), objective, value)
     path = Path(result) / "plans" / f"{point['plan']}.json"
-    p = Plan.from_dict(load_json(path, "plan"))
+    p = Plan.from_dict(read_json_object(path, "plan"))
     if json_out:
         print_json({**p.to_dict(), "path": str(path), "objective": objective,
                     "limit": value})

@@ -7,13 +7,13 @@ the emulator's whole-iteration simulation of it (validation).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kareus import SCHEMA_VERSION
 from kareus.errors import KareusError, SpecError
 from kareus.execution import ExecutionPlan
+from kareus.jsonfile import read_json_object
 
 OBJECTIVES = ("max-throughput", "min-energy", "deadline", "energy-budget")
 
@@ -60,22 +60,10 @@ class Plan:
             raise SpecError(f"corrupt plan: {type(exc).__name__}: {exc}") from None
 
 
-def load_json(path: Path, what: str) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise KareusError(f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KareusError(f"cannot read {what} {path}: {exc}") from None
-    if not isinstance(doc, dict):
-        raise KareusError(f"{what} {path} is not a JSON object")
-    return doc
-
-
 def load_frontier(result_dir: str | Path, method: str) -> list[dict]:
     """The method's frontier points from DIR/result.json: dicts with time_s, energy_j, plan."""
     path = Path(result_dir) / "result.json"
-    doc = load_json(path, "result")
+    doc = read_json_object(path, "result")
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise KareusError(f"{path}: unsupported schema_version {doc.get('schema_version')!r}")
     methods = doc.get("methods")

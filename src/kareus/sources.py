@@ -7,13 +7,13 @@ with the ModelSpec fields.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kareus.errors import SpecError
+from kareus.jsonfile import read_json_object
 from kareus.presets import JOB_PRESETS, MODEL_PRESETS, preset_names
 from kareus.spec import JobSpec, ModelSpec, first_error_line, validate_job
 
@@ -31,14 +31,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"model config not found: {p}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecError(f"cannot read {p} as JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{p} is not a JSON object")
+    raw = read_json_object(p, "model config")
     missing = [k for k in _HF_REQUIRED if k not in raw]
     if missing:
         raise SpecError(f"{p} lacks {', '.join(missing)}: not a decoder-only transformer config")

@@ -70,9 +70,9 @@ def _uniform(options, costs, pick) -> dict[InstructionId, int]:
 def default_steps(costs: PipelineCosts) -> int:
     """Solver steps between the slowest and the fastest plan: 400 for small pipelines,
     fewer for large ones (each step costs time proportional to the DAG's size; lowtime
-    spends ~0.13 s per step on a 512-instruction pipeline here), never under 60."""
+    spends ~0.13 s per step on a 512-instruction pipeline here), never under 120."""
     instructions = 2 * costs.pp * costs.microbatches
-    return max(60, min(400, 30_000 // instructions))
+    return max(120, min(400, 60_000 // instructions))
 
 
 def solve_frontier(options: dict[tuple[int, str], list[InstructionOption]],
@@ -84,7 +84,8 @@ def solve_frontier(options: dict[tuple[int, str], list[InstructionOption]],
     slowest and the fastest plan (default: `default_steps`; large pipelines stay fast).
     """
     max_steps = max_steps or default_steps(costs)
-    options = {k: pareto_front(v) for k, v in options.items()}
+    options = {k: drop_wasteful(pareto_front(v), costs.static_power_w)
+               for k, v in options.items()}
     fastest = evaluate(options, costs, _uniform(options, costs, lambda o: 0))
     slowest = evaluate(options, costs, _uniform(options, costs, lambda o: len(o) - 1))
     points = [fastest, slowest]
@@ -94,6 +95,19 @@ def solve_frontier(options: dict[tuple[int, str], list[InstructionOption]],
     for choice in _phillips_dessouky(options, costs, unit):
         points.append(evaluate(options, costs, choice))
     return _frontier(points)
+
+
+def drop_wasteful(options: list[InstructionOption], static_power_w: float
+                  ) -> list[InstructionOption]:
+    """Drop options slower than the one with the least energy on its own GPU (dynamic +
+    static power x time): running slower than that costs that GPU more energy than it
+    saves whether or not the instruction is on the critical path. Without them the
+    solver's time unit covers only the useful range, so the frontier is finer where it
+    matters."""
+    if not options:
+        return options
+    best = min(options, key=lambda o: o.dynamic_energy_j + static_power_w * o.time_s)
+    return [o for o in options if o.time_s <= best.time_s]
 
 
 def _frontier(points: list[PipelinePoint]) -> list[PipelinePoint]:

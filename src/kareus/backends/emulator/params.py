@@ -7,12 +7,12 @@ docs/emulator.md. A calibration file (`--calibration FILE`) can override any of 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from kareus.errors import SpecError
 from kareus.hardware import GPUSpec
+from kareus.jsonfile import read_json_object
 
 # NanoFlow (FACTS §3): a memory-bound GEMV given a share of the GPU's SMs runs at this share
 # of its full speed.
@@ -124,13 +124,8 @@ def load_params(gpu: GPUSpec, path: str | Path | None) -> EmulatorParams:
     if path is None:
         return params
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"calibration file not found: {p}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecError(f"cannot read calibration file {p}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("emulator_params"), dict):
+    doc = read_json_object(p, "calibration file")
+    if not isinstance(doc.get("emulator_params"), dict):
         raise SpecError(f"calibration file {p} has no 'emulator_params' object")
     if doc.get("gpu") not in (None, gpu.name):
         raise SpecError(f"calibration file {p} is for {doc.get('gpu')}, not {gpu.name}")
