@@ -200,7 +200,12 @@ def gpus(
 # Backend options ------------------------------------------------------------------------
 
 BackendOpt = Annotated[str, typer.Option(
-    "--backend", help="Where measurements come from: emulator (no GPU needed).")]
+    "--backend", help="Where measurements come from: emulator (no GPU needed) or nvml "
+                      "(a real NVIDIA GPU, with the gpu extra).")]
+AllowClocksOpt = Annotated[bool, typer.Option(
+    "--allow-clock-changes", help="Real GPUs: let Kareus lock SM clocks (always reset on "
+                                  "exit). Without it no clock is touched.")]
+GpuIndexOpt = Annotated[int, typer.Option("--gpu-index", help="Real GPUs: which GPU.")]
 NoiseOpt = Annotated[float, typer.Option(
     "--noise", help="Emulator measurement noise: relative std of time and dynamic energy.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of everything random.")]
@@ -210,8 +215,9 @@ CalibrationOpt = Annotated[Optional[str], typer.Option(
 
 def make_backend(job: JobSpec, backend: str, noise: float, seed: int,
                  calibration: Optional[str]):
+    """The emulator (for commands that only run on it)."""
     if backend != "emulator":
-        raise KareusError(f"unknown backend {backend!r}; available: emulator")
+        raise KareusError(f"this command runs on the emulator; got --backend {backend}")
     from kareus.backends.emulator import EmulatorBackend
 
     return EmulatorBackend(job, calibration=calibration, noise=noise, seed=seed)
@@ -243,14 +249,20 @@ def measure(
     noise: NoiseOpt = 0.0,
     seed: SeedOpt = 0,
     calibration: CalibrationOpt = None,
+    allow_clock_changes: AllowClocksOpt = False,
+    gpu_index: GpuIndexOpt = 0,
     json_out: JsonFlag = False,
 ) -> None:
     """Measure one partition at one knob setting."""
+    from kareus.backends.factory import open_backend
+
     ps = PartitionSet.from_job(job)
     p = ps[partition]
     knobs = Knobs(freq, sms, _slot_arg(slot))
     p.launch_index(knobs.slot)  # validates the slot
-    m = make_backend(job, backend, noise, seed, calibration).measure(p, knobs)
+    with open_backend(job, backend, noise=noise, seed=seed, calibration=calibration,
+                      allow_clock_changes=allow_clock_changes, gpu_index=gpu_index) as be:
+        m = be.measure(p, knobs)
     if json_out:
         print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
                     "freq_mhz": knobs.freq_mhz, "sms": knobs.sms, "slot": knobs.slot,
@@ -377,9 +389,12 @@ def search(
     noise: NoiseOpt = 0.0,
     seed: SeedOpt = 0,
     calibration: CalibrationOpt = None,
+    allow_clock_changes: AllowClocksOpt = False,
+    gpu_index: GpuIndexOpt = 0,
     json_out: JsonFlag = False,
 ) -> None:
     """Search partitions' knob spaces for their time-energy frontiers."""
+    from kareus.backends.factory import BACKENDS, check_frequency_search
     from kareus.search.loop import STRATEGIES, SearchConfig
     from kareus.search.parallel import EXECUTORS, make_task, run_tasks
 
@@ -398,13 +413,22 @@ def search(
     with_prior = prior != "none"
     for key in keys:
         config.check(ps[key].knob_space_size(len(job.freqs_mhz)), with_prior)
-    make_backend(job, backend, noise, seed, calibration)  # validates backend settings
+    if backend not in BACKENDS:
+        raise KareusError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    check_frequency_search(backend, job.freqs_mhz, allow_clock_changes)
+    if backend == "nvml":
+        from kareus.gpu.device import ZeusDevice
+
+        ZeusDevice(gpu_index)  # no GPU, no Zeus: fail before any work starts
+    if backend == "emulator":
+        make_backend(job, backend, noise, seed, calibration)  # validates emulator settings
     if journal is not None:
         from kareus.store import Journal
 
         Journal(journal).close()  # an unreadable journal fails before any work starts
     tasks = [make_task(job, key, config, backend=backend, noise=noise, seed=seed,
                        calibration=calibration, journal=journal,
+                       allow_clock_changes=allow_clock_changes, gpu_index=gpu_index,
                        prior=None if prior == "none" else prior) for key in keys]
     if json_out:
         results = run_tasks(tasks, executor, workers, ray_address)
@@ -634,6 +658,20 @@ def calibrate(
         table.add_row(a.name, a.unit, f"{a.published:,.3f}", f"{a.emulated:,.3f}",
                       f"{a.rel_error * 100:+.1f}%")
     console.print(table)
+
+
+gpu_app = typer.Typer(help="Real GPUs: clocks.", no_args_is_help=True)
+app.add_typer(gpu_app, name="gpu")
+
+
+@gpu_app.command("reset-clocks")
+def gpu_reset_clocks(gpu_index: GpuIndexOpt = 0) -> None:
+    """Reset a GPU's locked SM clocks (after a process was killed with SIGKILL)."""
+    from kareus.gpu.clock_guard import reset_clocks
+    from kareus.gpu.device import ZeusDevice
+
+    reset_clocks(ZeusDevice(gpu_index))
+    console.print(f"GPU {gpu_index}: SM clocks reset")
 
 
 @app.callback(invoke_without_command=True)

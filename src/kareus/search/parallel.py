@@ -29,6 +29,8 @@ class SearchTask:
     seed: int = 0
     calibration: str | None = None
     journal: str | None = None
+    allow_clock_changes: bool = False
+    gpu_index: int = 0
     prior: str | None = None
     """"emulator": the nominal emulator's predictions inform the search."""
 
@@ -41,6 +43,7 @@ def make_task(job, partition: str, config, **backend_settings) -> SearchTask:
 def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run one partition's search; returns the SearchResult as a JSON-ready dict."""
     from kareus.backends.emulator import EmulatorBackend
+    from kareus.backends.factory import open_backend
     from kareus.partition import PartitionSet
     from kareus.search.loop import SearchConfig, run_search
     from kareus.search.surrogate import SurrogateConfig
@@ -49,10 +52,6 @@ def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = Non
 
     job = validate_job(task.job)
     ps = PartitionSet.from_job(job)
-    if task.backend != "emulator":
-        raise SpecError(f"unknown backend {task.backend!r}; available: emulator")
-    backend = EmulatorBackend(job, calibration=task.calibration, noise=task.noise,
-                              seed=task.seed)
     prior = None
     if task.prior == "emulator":
         prior = EmulatorBackend(job)
@@ -65,8 +64,12 @@ def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = Non
     journal = Journal(task.journal) if task.journal else None
     try:
         jid = journal.register_job(job) if journal is not None else ""
-        result = run_search(ps[task.partition], backend, job.freqs_mhz, config, journal, jid,
-                            prior, progress)
+        with open_backend(job, task.backend, noise=task.noise, seed=task.seed,
+                          calibration=task.calibration,
+                          allow_clock_changes=task.allow_clock_changes,
+                          gpu_index=task.gpu_index) as backend:
+            result = run_search(ps[task.partition], backend, job.freqs_mhz, config, journal,
+                                jid, prior, progress)
     finally:
         if journal is not None:
             journal.close()
@@ -100,7 +103,8 @@ def run_tasks(tasks: list[SearchTask], executor: str = "local", workers: int | N
         raise SpecError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
     if executor == "ray":
         return _run_ray(tasks, ray_address, progress)
-    if len(tasks) == 1 or workers == 1:
+    # one GPU measures one partition at a time: real-GPU searches run in this process
+    if len(tasks) == 1 or workers == 1 or any(t.backend != "emulator" for t in tasks):
         return [run_task(t, (lambda d, n, k=t.partition: progress(k, d, n)) if progress
                          else None) for t in tasks]
     return _run_pool(tasks, workers or min(len(tasks), os.cpu_count() or 1), progress)

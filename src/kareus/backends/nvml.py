@@ -1,0 +1,133 @@
+"""The real-GPU backend: a partition's real kernels, measured with the GPU's energy counter.
+
+Measurement protocol (FACTS §4, configurable): lock the clock (only with
+--allow-clock-changes) and wait `settle_s` after a change; warm up; repeat the partition
+for at least `window_s` seconds between two reads of the energy counter; wait
+`cooldown_s`. Time and energy per run are the window's totals over the repetitions.
+Static energy uses the catalog's static power (or one measured on the spot and passed in),
+and the Measurement records which.
+
+Without --allow-clock-changes no clock is ever touched: the GPU is measured at the clock
+it runs, which NVML reports, and a setting at any other clock is refused.
+
+torch, Zeus and NVML are imported lazily (see kareus.gpu.device, kareus.runtime).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kareus.backends.base import Knobs, Measurement, MeasurementProtocol
+from kareus.errors import SpecError
+from kareus.gpu.clock_guard import ClockGuard
+from kareus.gpu.device import GPUDevice
+from kareus.partition import Partition
+from kareus.spec import JobSpec
+from kareus.workload.ops import Op
+
+
+class NvmlBackend:
+    name = "nvml"
+
+    def __init__(self, job: JobSpec, device: GPUDevice, guard: ClockGuard | None = None,
+                 protocol: MeasurementProtocol | None = None, torch_device: str = "cuda",
+                 static_power_w: float | None = None, warmup_runs: int = 3,
+                 min_runs: int = 3, collective=None) -> None:
+        self.job = job
+        self.gpu = job.gpu_spec
+        self.device = device
+        self.guard = guard or ClockGuard(device, allow_changes=False)
+        self.protocol = protocol or MeasurementProtocol()
+        self.torch_device = torch_device
+        self.static_power_source = "measured" if static_power_w is not None else "catalog"
+        self.static_power_w = (static_power_w if static_power_w is not None
+                               else self.gpu.static_power_w)
+        self.warmup_runs = warmup_runs
+        self.min_runs = min_runs
+        self._collective_factory = collective
+        self._runners: dict = {}
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[int, ...]:
+        return tuple(self.device.supported_clocks_mhz())
+
+    @property
+    def default_sms(self) -> int:
+        return 32
+
+    # Clocks -------------------------------------------------------------------------------
+
+    def _ensure_clock(self, freq_mhz: int) -> None:
+        if self.guard.allow_changes:
+            if self.guard.locked_mhz != freq_mhz:
+                self.guard.lock(freq_mhz)
+                time.sleep(self.protocol.settle_s)
+            return
+        current = self.device.current_sm_clock_mhz()
+        if freq_mhz != current:
+            raise SpecError(
+                f"the GPU runs at {current} MHz and clock changes are not allowed: measure "
+                f"at {current} MHz, or pass --allow-clock-changes to search frequencies")
+
+    # Measuring ----------------------------------------------------------------------------
+
+    def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
+        self._ensure_clock(knobs.freq_mhz)
+        runner = self._runner(partition, knobs)
+        return self._measure_window(runner.run, runner.synchronize)
+
+    def measure_op(self, op: Op, freq_mhz: int) -> Measurement:
+        from kareus.runtime.kernels import stand_in_collective
+
+        self._ensure_clock(freq_mhz)
+        if op.is_collective:
+            fn = stand_in_collective(op.bytes_, self.torch_device)
+        else:
+            from kareus.runtime.kernels import _kernel, _torch
+            from kareus.workload.layer import LayerShapes
+
+            torch = _torch()
+            fn = _kernel(torch, op, LayerShapes(self.job), self.torch_device,
+                         torch.bfloat16).run
+        return self._measure_window(fn, self._sync)
+
+    def _sync(self) -> None:
+        if self.torch_device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
+    def _runner(self, partition: Partition, knobs: Knobs):
+        from kareus.runtime.kernels import build_kernels, stand_in_collective
+        from kareus.runtime.runner import PartitionRunner
+
+        key = (partition.key, knobs.sms, knobs.slot)
+        if key not in self._runners:
+            kernels = build_kernels(partition, self.job, self.torch_device)
+            coll = (self._collective_factory(partition.collective, knobs.sms)
+                    if self._collective_factory is not None
+                    else stand_in_collective(partition.collective.bytes_, self.torch_device))
+            self._runners[key] = PartitionRunner(kernels, coll,
+                                                 partition.launch_index(knobs.slot),
+                                                 self.torch_device)
+        return self._runners[key]
+
+    def _measure_window(self, run, sync) -> Measurement:
+        for _ in range(self.warmup_runs):
+            run()
+        sync()
+        runs = 0
+        e0, t0 = self.device.energy_j(), time.perf_counter()
+        while runs < self.min_runs or time.perf_counter() - t0 < self.protocol.window_s:
+            run()
+            runs += 1
+            if runs % 8 == 0:
+                sync()
+        sync()
+        t1, e1 = time.perf_counter(), self.device.energy_j()
+        time.sleep(self.protocol.cooldown_s)
+        # raw energy: a dynamic energy below zero means the static power is set too high,
+        # which the user should see rather than have hidden
+        time_s, energy_j = (t1 - t0) / runs, (e1 - e0) / runs
+        return Measurement.from_time_energy(time_s, energy_j, self.static_power_w,
+                                            float(self.device.current_sm_clock_mhz()))

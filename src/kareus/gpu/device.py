@@ -1,0 +1,130 @@
+"""One GPU as Kareus uses it: clocks, the energy counter, the current clock.
+
+`ZeusDevice` drives a real GPU through Zeus's device API (which wraps NVML); `FakeDevice`
+is the null object of the tests and of dry runs: it records every call, keeps clocks in
+memory, and integrates a constant power into its energy counter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from kareus.errors import KareusError
+
+
+class GPUPermissionError(KareusError):
+    """Changing clocks needs privileges this process does not have."""
+
+
+@runtime_checkable
+class GPUDevice(Protocol):
+    index: int
+    name: str
+
+    def supported_clocks_mhz(self) -> tuple[int, ...]: ...
+
+    def current_sm_clock_mhz(self) -> int: ...
+
+    def set_locked_clocks(self, min_mhz: int, max_mhz: int) -> None: ...
+
+    def reset_locked_clocks(self) -> None: ...
+
+    def energy_j(self) -> float:
+        """Total energy counter since an arbitrary origin, in joules."""
+        ...
+
+
+@dataclass
+class FakeDevice:
+    """A GPU that exists only in memory. ``power_w`` feeds the energy counter."""
+
+    index: int = 0
+    name: str = "FakeGPU"
+    default_clock_mhz: int = 1410
+    clocks_mhz: tuple[int, ...] = tuple(range(1410, 209, -15))
+    power_w: float = 200.0
+    state_path: str | None = None
+    """If set, the clock state is written there after every call (so a test can read what
+    a killed process left behind)."""
+    calls: list[tuple] = field(default_factory=list)
+    locked: tuple[int, int] | None = None
+    _t0: float = field(default_factory=time.monotonic)
+
+    def _save(self) -> None:
+        if self.state_path:
+            import json
+
+            with open(self.state_path, "w") as f:
+                json.dump({"locked": self.locked, "calls": self.calls}, f)
+
+    def supported_clocks_mhz(self) -> tuple[int, ...]:
+        return self.clocks_mhz
+
+    def current_sm_clock_mhz(self) -> int:
+        return self.locked[1] if self.locked else self.default_clock_mhz
+
+    def set_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        self.calls.append(("set_locked_clocks", min_mhz, max_mhz))
+        self.locked = (min_mhz, max_mhz)
+        self._save()
+
+    def reset_locked_clocks(self) -> None:
+        self.calls.append(("reset_locked_clocks",))
+        self.locked = None
+        self._save()
+
+    def energy_j(self) -> float:
+        return (time.monotonic() - self._t0) * self.power_w
+
+    @property
+    def clock_calls(self) -> list[tuple]:
+        return [c for c in self.calls if c[0] in ("set_locked_clocks", "reset_locked_clocks")]
+
+
+class ZeusDevice:
+    """A real NVIDIA GPU through Zeus's device API (imported lazily)."""
+
+    def __init__(self, index: int = 0) -> None:
+        try:
+            from zeus.device import get_gpus
+        except ImportError:
+            raise KareusError("the nvml backend needs Zeus and NVML: pip install "
+                              "'kareus[gpu]'") from None
+        try:
+            self._gpus = get_gpus()
+            self.index = index
+            self.name = str(self._gpus.get_name(index))
+        except Exception as exc:  # NVML raises its own error types
+            raise KareusError(f"cannot open GPU {index}: {exc}") from None
+
+    def supported_clocks_mhz(self) -> tuple[int, ...]:
+        mem = max(self._gpus.get_supported_memory_clocks(self.index))
+        return tuple(sorted(self._gpus.get_supported_graphics_clocks(self.index, mem),
+                            reverse=True))
+
+    def current_sm_clock_mhz(self) -> int:
+        import pynvml
+
+        handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+        return int(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+
+    def set_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        try:
+            self._gpus.set_gpu_locked_clocks(self.index, min_mhz, max_mhz)
+        except Exception as exc:
+            if "permission" in str(exc).lower() or "NoPermission" in type(exc).__name__:
+                raise GPUPermissionError(
+                    "setting GPU clocks needs root or the SYS_ADMIN capability "
+                    "(or run without --allow-clock-changes)") from None
+            raise KareusError(f"cannot lock GPU {self.index} clocks: {exc}") from None
+
+    def reset_locked_clocks(self) -> None:
+        try:
+            self._gpus.reset_gpu_locked_clocks(self.index)
+        except Exception as exc:
+            raise KareusError(f"cannot reset GPU {self.index} clocks: {exc}") from None
+
+    def energy_j(self) -> float:
+        return float(self._gpus.get_total_energy_consumption(self.index)) / 1000.0

@@ -1,0 +1,1 @@
+"""Running partitions and plans on real hardware with PyTorch (an optional extra)."""

@@ -1,0 +1,140 @@
+"""A partition's real kernels in PyTorch, at the job's shapes (one TP rank, one nanobatch).
+
+Every compute op of a partition becomes one callable in the partition's order: GEMMs
+(each GEMM of the op, data gradient and weight gradient for a backward linear), causal
+scaled-dot-product attention (GQA), RMSNorm, rotary, SwiGLU, residual adds; backward
+memory-bound ops are elementwise kernels moving the op's bytes. Attention backward runs
+the fused attention forward and backward through autograd (flash attention needs the
+forward's statistics), so it does about 3.5x the forward's work where the graph counts
+2.5x: a documented overestimate of one kernel.
+
+torch is imported lazily; on the "meta" device nothing is computed, only shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kareus.partition import Partition
+from kareus.spec import JobSpec
+from kareus.workload.layer import LayerShapes
+from kareus.workload.ops import ComputeOp
+
+
+@dataclass
+class Kernel:
+    name: str
+    kind: str
+    run: Callable[[], object]
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes of the kernel's main inputs (GEMMs: each (m, k) x (k, n))."""
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        from kareus.errors import KareusError
+
+        raise KareusError("real kernels need PyTorch: pip install 'kareus[gpu]'") from None
+    return torch
+
+
+def build_kernels(partition: Partition, job: JobSpec, device: str = "cpu",
+                  dtype_name: str = "bfloat16") -> list[Kernel]:
+    torch = _torch()
+    dtype = getattr(torch, dtype_name)
+    sh = LayerShapes(job)
+    return [_kernel(torch, op, sh, device, dtype) for op in partition.compute_ops]
+
+
+def _kernel(torch, op: ComputeOp, sh: LayerShapes, device: str, dtype) -> Kernel:
+    def new(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    if op.kind == "gemm":
+        pairs = [(new(m, k), new(k, n)) for m, n, k in op.gemm_shapes]
+
+        def run_gemm(pairs=pairs):
+            return [a @ b for a, b in pairs]
+
+        shapes = tuple(s for a, b in pairs for s in (tuple(a.shape), tuple(b.shape)))
+        return Kernel(op.name, "gemm", run_gemm, shapes)
+
+    if op.kind == "attention":
+        b, d = sh.b, sh.d
+        q = new(b, sh.heads, sh.s_local, d)
+        k = new(b, sh.kv_heads, sh.s_full, d)
+        v = new(b, sh.kv_heads, sh.s_full, d)
+        causal = sh.s_local == sh.s_full  # with CP the local queries see a longer history
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        gqa = sh.heads != sh.kv_heads
+
+        if op.name.endswith("_bwd"):
+            qg, kg, vg = (t.detach().requires_grad_(device != "meta") for t in (q, k, v))
+
+            def run_attn_bwd():
+                out = sdpa(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                return out
+
+            return Kernel(op.name, "attention", run_attn_bwd,
+                          (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+
+        def run_attn():
+            return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+        return Kernel(op.name, "attention", run_attn,
+                      (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+
+    # memory-bound
+    tokens, h = sh.norm_tokens, sh.h
+    name = op.name
+    if name.startswith("residual") and not name.endswith("_bwd"):
+        x, y = new(tokens, h), new(tokens, h)
+        return Kernel(name, "memory", lambda: x + y, ((tokens, h), (tokens, h)))
+    if name.endswith("norm") and not name.endswith("_bwd"):
+        width = sh.d if name == "qk_norm" else h
+        rows = (sh.tokens * (sh.heads + sh.kv_heads)) if name == "qk_norm" else tokens
+        x, w = new(rows, width), new(width)
+
+        def rmsnorm():
+            return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(
+                x.dtype) * w
+
+        return Kernel(name, "memory", rmsnorm, ((rows, width),))
+    if name == "rope":
+        rows = sh.tokens * (sh.heads + sh.kv_heads)
+        x = new(rows, sh.d)
+        cos, sin = new(rows, sh.d // 2), new(rows, sh.d // 2)
+
+        def rotary():
+            x1, x2 = x[:, : sh.d // 2], x[:, sh.d // 2:]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+        return Kernel(name, "memory", rotary, ((rows, sh.d),))
+    if name == "swiglu":
+        g, u = new(sh.tokens, sh.ffn), new(sh.tokens, sh.ffn)
+        return Kernel(name, "memory", lambda: torch.nn.functional.silu(g) * u,
+                      ((sh.tokens, sh.ffn), (sh.tokens, sh.ffn)))
+    # anything else memory-bound (backward elementwise ops): read two, write one, moving
+    # the op's bytes
+    n = max(1, int(op.bytes_ // (3 * 2)))
+    a, c = new(n), new(n)
+    return Kernel(name, "memory", lambda: a * c + a, ((n,), (n,)))
+
+
+def stand_in_collective(nbytes: float, device: str = "cpu", dtype_name: str = "bfloat16"
+                        ) -> Callable[[], object]:
+    """Single-GPU stand-in for a collective: moves the collective's bytes through memory
+    (a copy of nbytes/2 in, nbytes/2 out). It does not reproduce the link, and plain
+    PyTorch cannot pin a copy to a number of thread blocks: the SM setting only matters
+    for the real NCCL collective (multi-GPU)."""
+    torch = _torch()
+    dtype = getattr(torch, dtype_name)
+    n = max(1, int(nbytes // 2 // 2))
+    src = torch.empty(n, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)

@@ -1,0 +1,70 @@
+import pytest
+
+pytest.importorskip("torch")
+
+from kareus.backends.base import Knobs, MeasurementProtocol  # noqa: E402
+from kareus.backends.emulator import EmulatorBackend  # noqa: E402
+from kareus.backends.nvml import NvmlBackend  # noqa: E402
+from kareus.errors import SpecError  # noqa: E402
+from kareus.gpu.clock_guard import ClockGuard  # noqa: E402
+from kareus.gpu.device import FakeDevice  # noqa: E402
+from kareus.partition import PartitionSet  # noqa: E402
+from kareus.search import SearchConfig, run_search  # noqa: E402
+from kareus.search.loop import backend_identity  # noqa: E402
+from kareus.sources import build_job  # noqa: E402
+from kareus.store import Journal, job_id  # noqa: E402
+from tests.runtime.test_kernels import TINY  # noqa: E402
+
+FAST = MeasurementProtocol(window_s=0.005, cooldown_s=0.0, settle_s=0.0)
+JOB = build_job(overrides=TINY)
+PS = PartitionSet.from_job(JOB)
+
+
+def _backend(dev, allow, tmp_path):
+    guard = ClockGuard(dev, allow_changes=allow, lock_dir=str(tmp_path))
+    return NvmlBackend(JOB, dev, guard, protocol=FAST, torch_device="cpu", warmup_runs=1,
+                       min_runs=2)
+
+
+def test_measures_at_the_current_clock_without_touching_it(tmp_path):
+    dev = FakeDevice(power_w=150.0)
+    b = _backend(dev, False, tmp_path)
+    m = b.measure(PS["fwd_attn"], Knobs(1410, 12, "linear_0"))
+    assert m.time_s > 0 and m.energy_j == pytest.approx(150.0 * m.time_s, rel=0.3)
+    assert m.effective_freq_mhz == 1410
+    with pytest.raises(SpecError, match="--allow-clock-changes"):
+        b.measure(PS["fwd_attn"], Knobs(1200, 12, "linear_0"))
+    assert dev.clock_calls == []
+
+
+def test_clock_changes_when_allowed_are_restored(tmp_path):
+    dev = FakeDevice()
+    with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as guard:
+        b = NvmlBackend(JOB, dev, guard, protocol=FAST, torch_device="cpu", warmup_runs=1)
+        m = b.measure(PS["fwd_mlp"], Knobs(1200, 6, None))
+        assert dev.locked == (1200, 1200) and m.effective_freq_mhz == 1200
+        b.measure(PS["fwd_mlp"], Knobs(1200, 9, None))  # same clock: no second lock call
+        assert dev.clock_calls == [("set_locked_clocks", 1200, 1200)]
+    assert dev.locked is None
+
+
+def test_a_search_on_the_nvml_backend_journals_like_the_emulator(tmp_path):
+    dev = FakeDevice()
+    b = _backend(dev, False, tmp_path)
+    cfg = SearchConfig(budget=12, initial=4, batch_size=4, tolerance=0)
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        jid = j.register_job(JOB)
+        # without clock changes the search covers the current clock only
+        r = run_search(PS["bwd_mlp"], b, (1410,), cfg, j, jid)
+    assert r.measured_this_run == 12
+    em = EmulatorBackend(JOB)
+    with Journal(path) as j:
+        rows = j.samples(job_id(JOB), "bwd_mlp", backend_identity(b))
+        jid2 = j.register_job(JOB)
+        run_search(PS["bwd_mlp"], em, (1410,), cfg, j, jid2)
+        summary = {(e["partition"], e["backend"]): e["measurements"] for e in j.summary()}
+    assert len(rows) == 12 and backend_identity(b) == "nvml:A100-40GB"
+    assert summary[("bwd_mlp", "nvml:A100-40GB")] == 12
+    assert summary[("bwd_mlp", backend_identity(em))] == 12
+    assert dev.clock_calls == []
