@@ -641,9 +641,22 @@ def compare(
 @app.command()
 def calibrate(
     calibration: CalibrationOpt = None,
+    backend: BackendOpt = "emulator",
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", help="nvml: the job whose partitions are measured.")] = "kareus-1",
+    out: Annotated[Optional[str], typer.Option(
+        "--out", help="nvml: write fitted emulator parameters to this JSON file.")] = None,
+    gpu_index: GpuIndexOpt = 0,
     json_out: JsonFlag = False,
 ) -> None:
-    """Show each public anchor (FACTS.md) next to the emulator's value."""
+    """Emulator: each public anchor (FACTS.md) next to the emulator's value. nvml: a fixed
+    set of partitions and ops measured on this GPU at its current clock, next to the
+    emulator, with fitted corrections written to --out."""
+    if backend == "nvml":
+        _calibrate_nvml(preset, out, gpu_index, calibration, json_out)
+        return
+    if backend != "emulator":
+        raise KareusError(f"unknown backend {backend!r}; available: emulator, nvml")
     from kareus.backends.emulator.anchors import all_anchors
 
     anchors = all_anchors(calibration)
@@ -658,6 +671,106 @@ def calibrate(
         table.add_row(a.name, a.unit, f"{a.published:,.3f}", f"{a.emulated:,.3f}",
                       f"{a.rel_error * 100:+.1f}%")
     console.print(table)
+
+
+def _calibrate_nvml(preset: str, out: Optional[str], gpu_index: int,
+                    calibration: Optional[str], json_out: bool) -> None:
+    from kareus.backends.emulator import EmulatorBackend
+    from kareus.backends.factory import open_backend
+    from kareus.gpu.calibration import fit_params, measure_and_compare, write_calibration
+
+    job = build_job(preset)
+    with open_backend(job, "nvml", gpu_index=gpu_index) as real:
+        freq = real.device.current_sm_clock_mhz()
+        emu = EmulatorBackend(job, calibration=calibration)
+        rows = measure_and_compare(job, real, freq, emu)
+        params = fit_params(rows, emu.params)
+        source = real.static_power_source
+    if out:
+        write_calibration(out, job, rows, params, source, freq)
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "freq_mhz": freq,
+                    "rows": [r.to_dict() for r in rows], "written": out})
+        return
+    table = Table(title=f"{job.gpu} at {freq} MHz: real vs emulated")
+    for col in ("item", "real ms", "emulated ms", "time err", "real J", "emulated J",
+                "energy err"):
+        table.add_column(col, justify="left" if col == "item" else "right")
+    for r in rows:
+        table.add_row(r.item, f"{r.real.time_s * 1e3:.3f}", f"{r.emulated.time_s * 1e3:.3f}",
+                      f"{r.time_error * 100:+.1f}%", f"{r.real.energy_j:.3f}",
+                      f"{r.emulated.energy_j:.3f}", f"{r.energy_error * 100:+.1f}%")
+    console.print(table)
+    if out:
+        console.print(f"fitted corrections written to {out} (use --calibration {out})")
+
+
+@app.command()
+@with_job
+def profile(
+    job: JobSpec,
+    partition: Annotated[list[str], typer.Option(
+        "--partition", help="Partition key (repeatable).")],
+    journal: Annotated[str, typer.Option("--journal", help="SQLite journal (rank 0).")],
+    backend: BackendOpt = "nvml",
+    allow_clock_changes: AllowClocksOpt = False,
+    window: Annotated[float, typer.Option("--window", help="Measurement window, s.")] = 5.0,
+    cooldown: Annotated[float, typer.Option("--cooldown", help="Cooldown, s.")] = 5.0,
+    settle: Annotated[float, typer.Option("--settle", help="Settle after a clock change, "
+                                                           "s.")] = 2.0,
+) -> None:
+    """Measure every setting of the given partitions on real GPUs, journaling each.
+
+    Run it under torchrun with as many processes as the partition's TP/CP group: every
+    rank runs the kernels and the NCCL collective (one communicator per SM setting), and
+    rank 0 writes the journal. On one process the collective is a single-GPU stand-in.
+    Without --allow-clock-changes only the GPU's current clock is measured.
+    """
+    import os
+
+    from kareus.backends.base import MeasurementProtocol
+    from kareus.backends.nvml import NvmlBackend
+    from kareus.gpu.clock_guard import ClockGuard
+    from kareus.gpu.device import ZeusDevice
+    from kareus.search.loop import backend_identity
+    from kareus.store import Journal
+
+    if backend != "nvml":
+        raise KareusError("profile measures real GPUs: --backend nvml")
+    ps = PartitionSet.from_job(job)
+    parts = [ps[k] for k in partition]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = ZeusDevice(local)
+    collectives = None
+    if world > 1:
+        import torch.distributed as dist
+
+        from kareus.runtime.collectives import NcclCollectives
+
+        dist.init_process_group("nccl")
+        collectives = NcclCollectives(f"cuda:{local}")
+        for p in parts:
+            if p.collective.group_size != world:
+                raise KareusError(f"{p.key} runs over {p.collective.group_size} GPUs; launch "
+                                  f"torchrun with --nproc-per-node {p.collective.group_size}")
+    protocol = MeasurementProtocol(window, cooldown, settle)
+    with ClockGuard(device, allow_changes=allow_clock_changes) as guard:
+        be = NvmlBackend(job, device, guard, protocol=protocol, torch_device=f"cuda:{local}",
+                         collective=collectives)
+        freqs = job.freqs_mhz if allow_clock_changes else (device.current_sm_clock_mhz(),)
+        store = Journal(journal) if rank == 0 else None
+        jid = store.register_job(job) if store else ""
+        for p in parts:
+            for f in freqs:
+                for n in p.sm_choices:
+                    for slot in p.launch_options:
+                        m = be.measure(p, Knobs(f, n, slot))
+                        if store:
+                            store.record(jid, p.key, backend_identity(be), Knobs(f, n, slot), m)
+        if store:
+            store.close()
 
 
 gpu_app = typer.Typer(help="Real GPUs: clocks.", no_args_is_help=True)

@@ -2,18 +2,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.backends.base import Knobs, MeasurementProtocol  # noqa: E402
-from kareus.backends.emulator import EmulatorBackend  # noqa: E402
-from kareus.backends.nvml import NvmlBackend  # noqa: E402
-from kareus.errors import SpecError  # noqa: E402
-from kareus.gpu.clock_guard import ClockGuard  # noqa: E402
-from kareus.gpu.device import FakeDevice  # noqa: E402
-from kareus.partition import PartitionSet  # noqa: E402
-from kareus.search import SearchConfig, run_search  # noqa: E402
-from kareus.search.loop import backend_identity  # noqa: E402
-from kareus.sources import build_job  # noqa: E402
-from kareus.store import Journal, job_id  # noqa: E402
-from tests.runtime.test_kernels import TINY  # noqa: E402
+from kareus.backends.base import Knobs, MeasurementProtocol
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.nvml import NvmlBackend
+from kareus.errors import SpecError
+from kareus.gpu.clock_guard import ClockGuard
+from kareus.gpu.device import FakeDevice
+from kareus.partition import PartitionSet
+from kareus.search import SearchConfig, run_search
+from kareus.search.loop import backend_identity
+from kareus.sources import build_job
+from kareus.store import Journal, job_id
+from tests.runtime.test_kernels import TINY
 
 FAST = MeasurementProtocol(window_s=0.005, cooldown_s=0.0, settle_s=0.0)
 JOB = build_job(overrides=TINY)
@@ -68,3 +68,14 @@ def test_a_search_on_the_nvml_backend_journals_like_the_emulator(tmp_path):
     assert summary[("bwd_mlp", "nvml:A100-40GB")] == 12
     assert summary[("bwd_mlp", backend_identity(em))] == 12
     assert dev.clock_calls == []
+
+
+def test_static_power_measured_on_the_spot_is_recorded(tmp_path):
+    dev = FakeDevice(power_w=90.0)
+    b = _backend(dev, False, tmp_path)
+    assert b.static_power_source == "catalog" and backend_identity(b) == "nvml:A100-40GB"
+    assert b.measure_static_power(0.05) == pytest.approx(90.0, rel=0.05)
+    assert b.static_power_source == "measured"
+    assert backend_identity(b).startswith("nvml:A100-40GB:static=")
+    m = b.measure(PS["fwd_mlp"], Knobs(1410, 6, None))
+    assert m.static_energy_j == pytest.approx(b.static_power_w * m.time_s)

@@ -14,9 +14,9 @@ from kareus.gpu.device import FakeDevice
 
 def test_no_clock_call_without_permission(tmp_path):
     dev = FakeDevice()
-    with ClockGuard(dev, allow_changes=False, lock_dir=str(tmp_path)) as g:
-        with pytest.raises(SpecError, match="--allow-clock-changes"):
-            g.lock(1200)
+    with ClockGuard(dev, allow_changes=False, lock_dir=str(tmp_path)) as g, \
+            pytest.raises(SpecError, match="--allow-clock-changes"):
+        g.lock(1200)
     assert dev.clock_calls == []
 
 
@@ -27,19 +27,19 @@ def test_clocks_reset_on_normal_exit_and_on_exception(tmp_path):
         assert dev.locked == (1200, 1200)
         assert lock_path(0, str(tmp_path)).exists()
     assert dev.locked is None and not lock_path(0, str(tmp_path)).exists()
-    with pytest.raises(RuntimeError):
-        with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as g:
-            g.lock(900)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), \
+            ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as g:
+        g.lock(900)
+        raise RuntimeError("boom")
     assert dev.locked is None
     assert dev.clock_calls[-1] == ("reset_locked_clocks",)
 
 
 def test_unsupported_clock_is_refused(tmp_path):
     dev = FakeDevice()
-    with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as g:
-        with pytest.raises(SpecError, match="not a supported clock"):
-            g.lock(1203)
+    with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as g, \
+            pytest.raises(SpecError, match="not a supported clock"):
+        g.lock(1203)
     assert dev.clock_calls == []
 
 

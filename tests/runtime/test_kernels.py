@@ -46,4 +46,4 @@ def test_kernels_run_on_the_cpu_with_the_collective_at_its_slot():
         runner.run()
         names = [op.name for op in p.compute_ops]
         at = p.slots[1].op_index
-        assert order == names[:at] + ["COLL"] + names[at:]
+        assert order == [*names[:at], "COLL", *names[at:]]

@@ -47,6 +47,18 @@ class NvmlBackend:
         self._collective_factory = collective
         self._runners: dict = {}
 
+    def measure_static_power(self, window_s: float | None = None) -> float:
+        """Measure static power on the spot: the GPU holding its memory and waiting (as in
+        a blocked collective) for ``window_s``; from then on static energy uses it."""
+        self._sync()
+        window = self.protocol.window_s if window_s is None else window_s
+        e0, t0 = self.device.energy_j(), time.perf_counter()
+        time.sleep(window)
+        t1, e1 = time.perf_counter(), self.device.energy_j()
+        self.static_power_w = (e1 - e0) / (t1 - t0)
+        self.static_power_source = "measured"
+        return self.static_power_w
+
     @property
     def supported_freqs_mhz(self) -> tuple[int, ...]:
         return tuple(self.device.supported_clocks_mhz())

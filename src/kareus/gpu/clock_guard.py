@@ -15,6 +15,7 @@ reset-clocks`, `nvidia-smi -rgc`, or a driver reload.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -54,10 +55,9 @@ class ClockGuard:
     def __enter__(self) -> ClockGuard:
         self._handle_stale_lock()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            # outside the main thread signals cannot be caught: the other exit paths remain
+            with contextlib.suppress(ValueError):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread: rely on the other exit paths
-                pass
         atexit.register(self.restore)
         return self
 

@@ -153,6 +153,8 @@ def backend_identity(backend) -> str:
     and (for the emulator) its constants and noise level. The seed is not part of it: a
     journal's measurements serve any later search, as real measurements would."""
     parts = [backend.name, backend.gpu.name]
+    if getattr(backend, "static_power_source", "catalog") != "catalog":
+        parts.append(f"static={backend.static_power_w:.1f}W")
     params = getattr(backend, "params", None)
     if params is not None:
         digest = hashlib.sha256(json.dumps(asdict(params), sort_keys=True).encode())
