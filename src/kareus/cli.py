@@ -206,6 +206,12 @@ AllowClocksOpt = Annotated[bool, typer.Option(
     "--allow-clock-changes", help="Real GPUs: let Kareus lock SM clocks (always reset on "
                                   "exit). Without it no clock is touched.")]
 GpuIndexOpt = Annotated[int, typer.Option("--gpu-index", help="Real GPUs: which GPU.")]
+ExecutorOpt = Annotated[str, typer.Option(
+    "--executor", help="local (process pool) or ray.")]
+RayAddressOpt = Annotated[Optional[str], typer.Option(
+    "--ray-address", help="Ray cluster address (default: start Ray locally).")]
+WorkersOpt = Annotated[Optional[int], typer.Option(
+    "--workers", help="Local processes (default: one per partition, up to the CPUs).")]
 NoiseOpt = Annotated[float, typer.Option(
     "--noise", help="Emulator measurement noise: relative std of time and dynamic energy.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of everything random.")]
@@ -378,13 +384,9 @@ def search(
     journal: Annotated[Optional[str], typer.Option(
         "--journal", help="SQLite journal: every measurement is stored before use and "
                           "reused by later searches.")] = None,
-    executor: Annotated[str, typer.Option(
-        "--executor", help="local (process pool) or ray.")] = "local",
-    ray_address: Annotated[Optional[str], typer.Option(
-        "--ray-address", help="Ray cluster address (default: start Ray locally).")] = None,
-    workers: Annotated[Optional[int], typer.Option(
-        "--workers", help="Local processes (default: one per partition, up to the CPUs).")
-    ] = None,
+    executor: ExecutorOpt = "local",
+    ray_address: RayAddressOpt = None,
+    workers: WorkersOpt = None,
     backend: BackendOpt = "emulator",
     noise: NoiseOpt = 0.0,
     seed: SeedOpt = 0,
@@ -512,9 +514,9 @@ def optimize(
         "--budget", help="Search samples per partition.")] = 100,
     tolerance: Annotated[float, typer.Option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
-    executor: Annotated[str, typer.Option("--executor", help="local or ray.")] = "local",
-    ray_address: Annotated[Optional[str], typer.Option("--ray-address")] = None,
-    workers: Annotated[Optional[int], typer.Option("--workers")] = None,
+    executor: ExecutorOpt = "local",
+    ray_address: RayAddressOpt = None,
+    workers: WorkersOpt = None,
     backend: BackendOpt = "emulator",
     noise: NoiseOpt = 0.0,
     seed: SeedOpt = 0,
@@ -622,7 +624,7 @@ def compare(
     budget: Annotated[int, typer.Option("--budget")] = 100,
     seed: SeedOpt = 0,
     noise: NoiseOpt = 0.0,
-    workers: Annotated[Optional[int], typer.Option("--workers")] = None,
+    workers: WorkersOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every preset of a suite through `optimize` and compare the methods."""

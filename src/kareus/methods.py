@@ -1,6 +1,7 @@
-"""The execution strategies compared on the same backend and pipeline.
+"""The fixed baseline plans `kareus simulate` runs (the full set of methods, with planned
+clocks, is composed in kareus.compose.build):
 
-So far: ``megatron`` (Megatron-LM: max clock, microbatches not split, every collective
+``megatron`` (Megatron-LM: max clock, microbatches not split, every collective
 blocks the compute stream) and ``nanobatch`` (every microbatch split in two; each
 collective is launched as soon as its input is ready, i.e. before the first compute op of
 the partition that hides it, with NCCL's default number of channels; max clock).
@@ -12,7 +13,7 @@ from kareus.errors import SpecError
 from kareus.execution import ExecutionPlan
 from kareus.spec import JobSpec
 
-METHODS = ("megatron", "nanobatch")
+BASELINES = ("megatron", "nanobatch")
 
 
 def baseline_plan(method: str, job: JobSpec, freq_mhz: int | None = None) -> ExecutionPlan:
@@ -23,4 +24,4 @@ def baseline_plan(method: str, job: JobSpec, freq_mhz: int | None = None) -> Exe
         return ExecutionPlan("megatron", overlap=False, default_freq_mhz=f)
     if method == "nanobatch":
         return ExecutionPlan("nanobatch", overlap=True, default_freq_mhz=f, default_slot="first")
-    raise SpecError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    raise SpecError(f"unknown method {method!r}; known: {', '.join(BASELINES)}")
