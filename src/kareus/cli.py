@@ -574,9 +574,15 @@ def optimize(
                   f"plans/, frontier.png, report.md")
 
 
-@app.command()
+plan_app = typer.Typer(help="Choose a plan from a result, or export one.")
+app.add_typer(plan_app, name="plan")
+
+
+@plan_app.callback(invoke_without_command=True)
 def plan(
-    result: Annotated[str, typer.Option("--result", help="Directory of `kareus optimize`.")],
+    ctx: typer.Context,
+    result: Annotated[Optional[str], typer.Option(
+        "--result", help="Directory of `kareus optimize`.")] = None,
     max_throughput: Annotated[bool, typer.Option("--max-throughput")] = False,
     min_energy: Annotated[bool, typer.Option("--min-energy")] = False,
     deadline: Annotated[Optional[float], typer.Option(
@@ -587,9 +593,13 @@ def plan(
     json_out: JsonFlag = False,
 ) -> None:
     """Pick the plan that meets a deadline or an energy budget with the least energy (or
-    time), or the fastest / least-energy plan."""
+    time), or the fastest / least-energy plan. `kareus plan export` writes one out."""
     from pathlib import Path
 
+    if ctx.invoked_subcommand is not None:
+        return
+    if result is None:
+        raise KareusError("--result DIR is required")
     from kareus.jsonfile import read_json_object
     from kareus.plan import Plan, load_frontier, select
 
@@ -614,6 +624,30 @@ def plan(
     console.print(f"[bold]{p.id}[/bold] ({method}, {objective}"
                   f"{'' if value is None else f' {value:g}'}): iteration {p.time_s:.4f} s, "
                   f"{p.energy_j / 1e3:.3f} kJ; clocks {freqs[0]}..{freqs[-1]} MHz; {path}")
+
+
+@plan_app.command("export")
+def plan_export(
+    result: Annotated[str, typer.Option("--result", help="Directory of `kareus optimize`.")],
+    plan_id: Annotated[str, typer.Option("--plan", help="Plan id, e.g. kareus-012.")],
+    out: Annotated[str, typer.Option("--out", help="File to write.")],
+    fmt: Annotated[str, typer.Option(
+        "--format", help="zeus (frequency schedule for Zeus's server) or json.")] = "json",
+) -> None:
+    """Write a plan as Kareus JSON or as a Zeus pipeline frequency schedule."""
+    from pathlib import Path
+
+    from kareus.export import export_plan
+    from kareus.jsonfile import read_json_object
+    from kareus.plan import Plan
+
+    if "/" in plan_id or plan_id.startswith("."):
+        raise KareusError(f"invalid plan id {plan_id!r}")
+    doc = read_json_object(Path(result) / "plans" / f"{plan_id}.json", "plan")
+    p = Plan.from_dict(doc)
+    job = doc.get("job") or read_json_object(Path(result) / "result.json", "result")["job"]
+    export_plan(p, job, fmt, out)
+    console.print(f"{p.id} written to {out} ({fmt})")
 
 
 @app.command()

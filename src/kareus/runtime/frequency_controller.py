@@ -1,0 +1,103 @@
+"""Apply a plan's clock per pipeline instruction, from a separate process.
+
+The training process calls `before_forward(microbatch)` / `before_backward(microbatch)`
+(or uses the controller as a context manager); each call only puts the wanted clock on a
+queue, so training never blocks on NVML. A child process applies it: in dry-run mode it
+only logs what it would set (one line per instruction: direction, microbatch, MHz); for
+real it locks the SM clock through the clock guard, which resets the clocks when the
+controller stops, when the child is interrupted or terminated, and when the training
+process dies (the child notices its parent is gone and exits through the guard).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+from pathlib import Path
+
+from kareus.execution import ExecutionPlan
+
+
+def _child(q, stage: int, gpu_index: int, dry_run: bool, log_path: str | None,
+           parent_pid: int) -> None:
+    log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
+    try:
+        if dry_run:
+            _loop(q, lambda mhz: None, log, parent_pid)
+            return
+        from kareus.gpu.clock_guard import ClockGuard
+        from kareus.gpu.device import ZeusDevice
+
+        with ClockGuard(ZeusDevice(gpu_index), allow_changes=True) as guard:
+            _loop(q, guard.lock, log, parent_pid)
+    finally:
+        if log:
+            log.close()
+
+
+def _loop(q, apply, log, parent_pid: int) -> None:
+    while True:
+        try:
+            msg = q.get(timeout=1.0)
+        except queue_mod.Empty:
+            if os.getppid() != parent_pid:  # the training process is gone
+                return
+            continue
+        if msg is None:
+            return
+        direction, microbatch, mhz = msg
+        apply(mhz)
+        if log:
+            log.write(f"{direction} {microbatch} {mhz}\n")
+
+
+class FrequencyController:
+    def __init__(self, plan: ExecutionPlan, stage: int, gpu_index: int = 0,
+                 dry_run: bool = True, log_path: str | Path | None = None) -> None:
+        self.plan = plan
+        self.stage = stage
+        self.gpu_index = gpu_index
+        self.dry_run = dry_run
+        self.log_path = str(log_path) if log_path else None
+        self._ctx = mp.get_context("spawn")
+        self._q = None
+        self._proc = None
+
+    def start(self) -> FrequencyController:
+        if self._proc is None:
+            self._q = self._ctx.Queue()
+            self._proc = self._ctx.Process(
+                target=_child, args=(self._q, self.stage, self.gpu_index, self.dry_run,
+                                     self.log_path, os.getpid()), daemon=True)
+            self._proc.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the child to finish (it resets the clocks) and wait for it."""
+        if self._proc is None:
+            return
+        self._q.put(None)
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()  # SIGTERM: the guard still resets the clocks
+            self._proc.join(timeout_s)
+        self._proc = None
+
+    def __enter__(self) -> FrequencyController:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _send(self, direction: str, microbatch: int) -> None:
+        if self._proc is None:
+            self.start()
+        self._q.put((direction, microbatch, self.plan.freq(self.stage, microbatch,
+                                                            direction)))
+
+    def before_forward(self, microbatch: int) -> None:
+        self._send("forward", microbatch)
+
+    def before_backward(self, microbatch: int) -> None:
+        self._send("backward", microbatch)

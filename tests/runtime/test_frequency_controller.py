@@ -1,0 +1,30 @@
+from kareus.execution import ExecutionPlan
+from kareus.runtime.frequency_controller import FrequencyController
+from kareus.schedule import one_f_one_b
+
+
+def _plan(pp=2, mbs=6):
+    freqs = {(s, m, d): 900 + 30 * ((s * 7 + m * 3 + (d == "backward")) % 18)
+             for s in range(pp) for m in range(mbs) for d in ("forward", "backward")}
+    return ExecutionPlan("p", overlap=True, default_freq_mhz=1410, instruction_freqs=freqs)
+
+
+def test_dry_run_logs_the_plans_clocks_in_1f1b_order(tmp_path):
+    plan = _plan()
+    for stage in range(2):
+        log = tmp_path / f"stage{stage}.log"
+        with FrequencyController(plan, stage, dry_run=True, log_path=log) as ctl:
+            for m, d in one_f_one_b(2, 6, stage):
+                (ctl.before_forward if d == "forward" else ctl.before_backward)(m)
+        got = [tuple(line.split()) for line in log.read_text().splitlines()]
+        want = [(d, str(m), str(plan.freq(stage, m, d))) for m, d in one_f_one_b(2, 6, stage)]
+        assert got == want
+
+
+def test_controller_starts_lazily_and_stops_twice_safely(tmp_path):
+    log = tmp_path / "x.log"
+    ctl = FrequencyController(_plan(), 0, dry_run=True, log_path=log)
+    ctl.before_forward(0)
+    ctl.stop()
+    ctl.stop()
+    assert log.read_text().split() == ["forward", "0", str(_plan().freq(0, 0, "forward"))]
