@@ -82,3 +82,24 @@ def test_optimize_cli_and_rerun_reuses_the_journal(tmp_path):
 def test_optimize_bad_arguments(tmp_path):
     r = run_cli("optimize", "-p", "kareus-1", "--out", str(tmp_path), "--budget", "3")
     assert r.code == 2 and "initial design" in r.err
+
+
+def test_plan_export_cli(result, tmp_path):
+    r, out = result
+    plan_id = r.plans["kareus"][0].id
+    z = tmp_path / "z.py"
+    e = run_cli("plan", "export", "--result", str(out), "--plan", plan_id, "--format", "zeus",
+                "--out", str(z))
+    assert e.code == 0, e.err
+    import ast
+
+    schedule = ast.literal_eval("".join(
+        line for line in z.read_text().splitlines(keepends=True) if not line.startswith("#")))
+    assert len(schedule) == r.job.pp
+    assert len(schedule[0]) == 2 * r.job.num_microbatches
+    j = tmp_path / "p.json"
+    assert run_cli("plan", "export", "--result", str(out), "--plan", plan_id, "--out",
+                   str(j)).code == 0
+    assert json.loads(j.read_text())["id"] == plan_id
+    bad = run_cli("plan", "export", "--result", str(out), "--plan", "../x", "--out", str(j))
+    assert bad.code == 2

@@ -106,7 +106,7 @@ def rmsnorm(x, w, eps: float = 1e-6):
 
 def rotary(x, offset: int = 0, base: float = 10000.0):
     """x: [b, s, heads, d]."""
-    b, s, h, d = x.shape
+    s, d = x.shape[1], x.shape[3]
     pos = torch.arange(offset, offset + s, dtype=x.dtype, device=x.device)
     inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d)
     ang = torch.outer(pos, inv)  # [s, d/2]
@@ -125,7 +125,7 @@ class LayerPlan:
     """Per key: slot name -> name of the compute op it starts with (from the partition)."""
 
     def launch_op(self, key: str) -> str | None:
-        sms, slot = self.knobs.get(key, (0, None))
+        slot = self.knobs.get(key, (0, None))[1]
         if slot is None:
             return None
         return self.slot_ops.get(key, {}).get(slot, slot)
@@ -168,7 +168,8 @@ class LlamaLayer(torch.nn.Module):
         # same function
         wq, wk, wv = full(hidden, heads * head_dim), full(hidden, kv_heads * head_dim), full(
             hidden, kv_heads * head_dim)
-        kv_rank = r * kv_heads // tp if kv_heads >= tp else r * kv_heads // tp
+        # this rank's first KV head (with fewer KV heads than ranks they are replicated)
+        kv_rank = r * kv_heads // tp
         q_cols = slice(r * self.heads * head_dim, (r + 1) * self.heads * head_dim)
         kv_cols = slice(kv_rank * head_dim, kv_rank * head_dim + self.kv * head_dim)
         self.wqkv = torch.nn.Parameter(torch.cat([wq[:, q_cols], wk[:, kv_cols],

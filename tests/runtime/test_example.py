@@ -1,0 +1,42 @@
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import itertools
+
+from kareus.execution import ExecutionPlan, PartitionChoice
+from kareus.plan import Plan
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny.py"
+
+
+def _losses(*args):
+    r = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "5", *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", r.stdout)]
+
+
+def test_tiny_training_loss_decreases():
+    losses = _losses()
+    assert len(losses) == 5
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(b < a for a, b in itertools.pairwise(losses))
+
+
+def test_tiny_training_with_a_plan_file(tmp_path):
+    ex = ExecutionPlan("kareus-001", overlap=True, default_freq_mhz=1200,
+                       knobs={"fwd_attn": PartitionChoice(6, "attn_0"),
+                              "fwd_mlp": PartitionChoice(9, "linear_1"),
+                              "bwd_mlp": PartitionChoice(3, "activation_0"),
+                              "bwd_attn": PartitionChoice(12, "rope_0")})
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(Plan("kareus-001", "kareus", 1.0, 1.0, ex).to_dict()))
+    losses = _losses("--plan", str(path))
+    assert losses[-1] < 0.8 * losses[0]
