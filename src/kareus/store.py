@@ -52,6 +52,20 @@ class JournalError(KareusError):
     pass
 
 
+def _retry_locked(fn, seconds: float = 30.0):
+    """Run ``fn``, retrying while SQLite says the database is locked."""
+    deadline = time.monotonic() + seconds
+    delay = 0.005
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(0.2, delay * 2)
+
+
 def job_id(job: JobSpec) -> str:
     """A stable identity of the job: hash of its canonical JSON."""
     text = json.dumps(job.model_dump(mode="json"), sort_keys=True)
@@ -71,15 +85,18 @@ class Journal:
             raise JournalError(f"journal {self.path} is a directory")
         try:
             self.conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None)
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            # Switching to WAL needs the database to itself and does not wait on the busy
+            # handler: several processes opening a new journal at once retry it.
+            _retry_locked(lambda: self.conn.execute("PRAGMA journal_mode=WAL"))
             # WAL + NORMAL: a committed row survives the process being killed (not a power
             # cut); writers from other processes wait up to 30 s for the lock.
             self.conn.execute("PRAGMA synchronous=NORMAL")
             self.conn.execute("PRAGMA busy_timeout=30000")
-            self.conn.executescript(_SCHEMA)  # idempotent; each statement commits itself
-            self.conn.execute(
+            # idempotent; each statement commits itself
+            _retry_locked(lambda: self.conn.executescript(_SCHEMA))
+            _retry_locked(lambda: self.conn.execute(
                 "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
-                (str(JOURNAL_SCHEMA_VERSION),))
+                (str(JOURNAL_SCHEMA_VERSION),)))
             version = self.conn.execute(
                 "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:

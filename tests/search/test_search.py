@@ -200,3 +200,20 @@ def test_sigkill_mid_search_loses_no_stored_sample(tmp_path):
     assert r.measured_this_run == 10 and len(b.calls) == 10
     kept = {s.knobs: s.measurement for s in r.samples if s.reused}
     assert kept == {s.knobs: s.measurement for s in before}
+
+
+def _open_journal(path, n):
+    with Journal(path) as j:
+        j.register_job(JOB)
+    return n
+
+
+def test_many_processes_open_a_new_journal_at_once(tmp_path):
+    from concurrent.futures import ProcessPoolExecutor
+
+    for i in range(3):
+        path = tmp_path / f"j{i}.sqlite"
+        with ProcessPoolExecutor(6) as pool:
+            assert sorted(pool.map(_open_journal, [path] * 12, range(12))) == list(range(12))
+        with Journal(path) as j:
+            assert j.integrity_ok()
