@@ -100,7 +100,7 @@ def optimize(job: JobSpec, out_dir: str | Path, config: SearchConfig, noise: flo
         points = solve_frontier(options, costs)
         plans[method] = []
         for i, pt in enumerate(points):
-            execution = to_execution_plan(f"{method}-{i:03d}", options, pt.choice,
+            execution = to_execution_plan(f"{method}-{i:03d}", pt.picks,
                                           backend.gpu.max_freq_mhz, method in OVERLAPPING)
             r = sim.run(execution)
             worst = max(worst, abs(r.time_s / pt.time_s - 1), abs(r.energy_j / pt.energy_j - 1))

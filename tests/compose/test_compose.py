@@ -98,8 +98,7 @@ def test_every_plan_matches_its_simulation(k1):
     for method in ("perseus", "nanobatch_perseus", "kareus"):
         opts = comp.options(method, fronts)
         for i, pt in enumerate(solve_frontier(opts, costs)):
-            plan = to_execution_plan(f"{method}-{i}", opts, pt.choice, 1410,
-                                     method != "perseus")
+            plan = to_execution_plan(f"{method}-{i}", pt.picks, 1410, method != "perseus")
             r = sim.run(plan)
             assert r.time_s == pytest.approx(pt.time_s, rel=0.03)
             assert r.energy_j == pytest.approx(pt.energy_j, rel=0.03)

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 from kareus.backends.base import Knobs
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
@@ -104,7 +102,7 @@ class Composer:
             t0 += m.time_s
             e0 += m.dynamic_energy_j
         per_key = {}
-        for key, count in Counter(layout.partition_counts()).items():
+        for key, count in layout.partition_counts().items():
             opts = fronts.get(key, {}).get(f)
             if not opts:
                 p = self.ps[key]
@@ -135,13 +133,11 @@ class Composer:
                              tuple(act), tuple(grad), tuple(end), tuple(fixed))
 
 
-def to_execution_plan(name: str, options: dict[tuple[int, str], list[InstructionOption]],
-                      choice: dict[tuple[int, int, str], int], f_max: int,
-                      overlap: bool) -> ExecutionPlan:
+def to_execution_plan(name: str, picks: dict[tuple[int, int, str], InstructionOption],
+                      f_max: int, overlap: bool) -> ExecutionPlan:
     """An ExecutionPlan that runs each instruction with its chosen option."""
     freqs, knobs, sequential = {}, {}, set()
-    for (s, m, d), i in choice.items():
-        opt = options[(s, d)][i]
+    for (s, m, d), opt in picks.items():
         freqs[(s, m, d)] = opt.freq_mhz
         kn = opt.knob_dict()
         if "__sequential__" in kn:

@@ -43,7 +43,9 @@ class PipelinePoint:
     energy_j: float
     dynamic_energy_j: float
     choice: dict[InstructionId, int]
-    """Per instruction, the index of its option in its stage/direction's option list."""
+    """Per instruction, the index of its option in the (pruned) option list it was solved
+    with; `picks` holds the options themselves."""
+    picks: dict[InstructionId, InstructionOption]
 
 
 def evaluate(options: dict[tuple[int, str], list[InstructionOption]], costs: PipelineCosts,
@@ -58,8 +60,9 @@ def evaluate(options: dict[tuple[int, str], list[InstructionOption]], costs: Pip
     per_gpu += sum(costs.fixed_dynamic_j)
     dynamic = costs.gpus // costs.pp * per_gpu
     t = timing.iteration_s
+    picks = {iid: options[(iid[0], iid[2])][i] for iid, i in choice.items()}
     return PipelinePoint(t, dynamic + costs.gpus * t * costs.static_power_w, dynamic,
-                         dict(choice))
+                         dict(choice), picks)
 
 
 def _uniform(options, costs, pick) -> dict[InstructionId, int]:
