@@ -33,9 +33,11 @@ def initial_design(space: KnobSpace, n: int, rng: np.random.Generator,
     while len(chosen) < n and len(taken) < len(space) and attempts < 50 * max(n, 1):
         attempts += 1
         f = freqs[f_order[i % len(freqs)]]
-        lap = i // len(freqs)  # shifts the slot cycle so (SMs, slot) pairs do not lockstep
-        sm = sms[n_order[i % len(sms)]]
-        slot = slots[s_order[(i + lap) % len(slots)]]
+        # every lap over the clocks shifts the SM and slot cycles (by different amounts),
+        # so a clock meets new SM counts and slots, and (SMs, slot) pairs do not lockstep
+        lap = i // len(freqs)
+        sm = sms[n_order[(i + lap) % len(sms)]]
+        slot = slots[s_order[(i + 2 * lap + i // len(sms)) % len(slots)]]
         idx = space.index[Knobs(f, sm, slot)]
         if idx in taken:
             free = [j for j, k in enumerate(space.settings)

@@ -68,6 +68,8 @@ class SearchConfig:
         if self.budget < 1:
             raise SpecError(f"budget must be positive, got {self.budget}")
         init = self.initial_size(with_prior)
+        if self.initial is not None and self.initial < 1:
+            raise SpecError(f"the initial design needs at least 1 setting, got {self.initial}")
         if self.strategy == "mbo" and self.budget < init:
             raise SpecError(f"budget {self.budget} is smaller than the initial design ({init})")
         if self.batch_size < 1:

@@ -101,6 +101,8 @@ def run_tasks(tasks: list[SearchTask], executor: str = "local", workers: int | N
     """Run every task; results in the order of ``tasks``."""
     if executor not in EXECUTORS:
         raise SpecError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    if workers is not None and workers < 1:
+        raise SpecError(f"--workers must be at least 1, got {workers}")
     if executor == "ray":
         return _run_ray(tasks, ray_address, progress)
     # one GPU measures one partition at a time: real-GPU searches run in this process
@@ -126,7 +128,12 @@ def _run_pool(tasks, workers, progress) -> list[dict]:
             while pending:
                 done = {f for f in pending if f.done()}
                 for f in done:
-                    results[futures[f]] = f.result()
+                    try:
+                        results[futures[f]] = f.result()
+                    except BaseException:
+                        # one search failed: do not start the others, report at once
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        raise
                 pending -= done
                 try:
                     while True:
