@@ -792,21 +792,28 @@ def profile(
                 raise KareusError(f"{p.key} runs over {p.collective.group_size} GPUs; launch "
                                   f"torchrun with --nproc-per-node {p.collective.group_size}")
     protocol = MeasurementProtocol(window, cooldown, settle)
-    with ClockGuard(device, allow_changes=allow_clock_changes) as guard:
-        be = NvmlBackend(job, device, guard, protocol=protocol, torch_device=f"cuda:{local}",
-                         collective=collectives)
-        freqs = job.freqs_mhz if allow_clock_changes else (device.current_sm_clock_mhz(),)
-        store = Journal(journal) if rank == 0 else None
-        jid = store.register_job(job) if store else ""
-        for p in parts:
-            for f in freqs:
-                for n in p.sm_choices:
-                    for slot in p.launch_options:
-                        m = be.measure(p, Knobs(f, n, slot))
-                        if store:
-                            store.record(jid, p.key, backend_identity(be), Knobs(f, n, slot), m)
+    store = Journal(journal) if rank == 0 else None
+    try:
+        with ClockGuard(device, allow_changes=allow_clock_changes) as guard:
+            be = NvmlBackend(job, device, guard, protocol=protocol,
+                             torch_device=f"cuda:{local}", collective=collectives)
+            freqs = job.freqs_mhz if allow_clock_changes else (device.current_sm_clock_mhz(),)
+            jid = store.register_job(job) if store else ""
+            for p in parts:
+                for f in freqs:
+                    for n in p.sm_choices:
+                        for slot in p.launch_options:
+                            k = Knobs(f, n, slot)
+                            m = be.measure(p, k)
+                            if store:
+                                store.record(jid, p.key, backend_identity(be), k, m)
+    finally:
         if store:
             store.close()
+        if collectives is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 gpu_app = typer.Typer(help="Real GPUs: clocks.", no_args_is_help=True)

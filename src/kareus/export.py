@@ -32,14 +32,21 @@ def export_plan(plan: Plan, job: dict, fmt: str, out: str | Path) -> None:
         raise KareusError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     path = Path(out)
     if fmt == "json":
-        path.write_text(json.dumps(plan.to_dict(job), indent=1))
+        _write(path, json.dumps(plan.to_dict(job), indent=1))
         return
     try:
         pp, mbs = int(job["pp"]), int(job["num_microbatches"])
     except (KeyError, TypeError, ValueError):
         raise KareusError("the plan's job lacks pp / num_microbatches") from None
     schedule = zeus_schedule(plan, pp, mbs)
-    path.write_text(
-        "# Kareus plan " + plan.id + ": per pipeline stage, (instruction, SM clock in MHz)\n"
-        "# in 1F1B execution order; load with Zeus's PointSolution(3D) scheduler.\n"
-        + repr(schedule) + "\n")
+    _write(path,
+           "# Kareus plan " + plan.id + ": per pipeline stage, (instruction, SM clock in MHz)\n"
+           "# in 1F1B execution order; load with Zeus's PointSolution(3D) scheduler.\n"
+           + repr(schedule) + "\n")
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise KareusError(f"cannot write {path}: {exc}") from None

@@ -18,8 +18,9 @@ from pathlib import Path
 from kareus import SCHEMA_VERSION
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.compose.build import METHODS, Composer, key_frontiers, to_execution_plan
+from kareus.compose.build import ALIASES, METHODS, Composer, key_frontiers, to_execution_plan
 from kareus.compose.pipeline import solve_frontier
+from kareus.errors import KareusError
 from kareus.metrics import method_metrics
 from kareus.partition import PartitionSet
 from kareus.plan import Plan
@@ -47,10 +48,8 @@ class OptimizeResult:
             "schema_version": SCHEMA_VERSION,
             "job": self.job.model_dump(mode="json"),
             "methods": {
-                m: {"frontier": [{"time_s": p.time_s, "energy_j": p.energy_j, "plan": p.id,
-                                  "simulated_time_s": p.simulated_time_s,
-                                  "simulated_energy_j": p.simulated_energy_j,
-                                  "sequential_instructions": len(p.execution.sequential)}
+                m: {"frontier": [{**{k: v for k, v in p.summary().items()
+                                     if k not in ("id", "method")}, "plan": p.id}
                                  for p in ps]}
                 for m, ps in self.plans.items()},
             "metrics": self.metrics,
@@ -73,7 +72,10 @@ def optimize(job: JobSpec, out_dir: str | Path, config: SearchConfig, noise: flo
     import time
 
     out = Path(out_dir)
-    (out / "plans").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "plans").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KareusError(f"cannot create {out / 'plans'}: {exc}") from None
     journal = str(out / "journal.sqlite")
     ps = PartitionSet.from_job(job)
     say = stage or (lambda _msg: None)
@@ -94,7 +96,7 @@ def optimize(job: JobSpec, out_dir: str | Path, config: SearchConfig, noise: flo
     plans: dict[str, list[Plan]] = {}
     worst = 0.0
     t0 = time.perf_counter()
-    for method in methods:
+    for method in (ALIASES.get(m, m) for m in methods):
         say(f"composing {method}")
         options = composer.options(method, fronts)
         points = solve_frontier(options, costs)
@@ -117,9 +119,12 @@ def write_result(result: OptimizeResult, out: Path) -> None:
     from kareus.report import frontier_figure, markdown_report
 
     job_doc = result.job.model_dump(mode="json")
-    for ps in result.plans.values():
-        for p in ps:
-            (out / "plans" / f"{p.id}.json").write_text(json.dumps(p.to_dict(job_doc)))
-    (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1))
-    frontier_figure(result.frontier_points(), out / "frontier.png", result.job.describe())
-    (out / "report.md").write_text(markdown_report(result, out))
+    try:
+        for ps in result.plans.values():
+            for p in ps:
+                (out / "plans" / f"{p.id}.json").write_text(json.dumps(p.to_dict(job_doc)))
+        (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1))
+        frontier_figure(result.frontier_points(), out / "frontier.png", result.job.describe())
+        (out / "report.md").write_text(markdown_report(result, out))
+    except OSError as exc:
+        raise KareusError(f"cannot write the result to {out}: {exc}") from None

@@ -28,11 +28,6 @@ class Plan:
     simulated_time_s: float | None = None
     simulated_energy_j: float | None = None
 
-    @property
-    def fallback_sequential(self) -> bool:
-        """True when the plan runs some instructions without overlap (Megatron-style)."""
-        return bool(self.execution.sequential)
-
     def summary(self) -> dict:
         return {"id": self.id, "method": self.method, "time_s": self.time_s,
                 "energy_j": self.energy_j, "simulated_time_s": self.simulated_time_s,

@@ -100,9 +100,16 @@ class Journal:
             version = self.conn.execute(
                 "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
+            self._close_quietly()
             raise JournalError(f"cannot open journal {self.path}: {exc}") from None
-        if version is None or int(version[0]) != JOURNAL_SCHEMA_VERSION:
+        if version is None or str(version[0]) != str(JOURNAL_SCHEMA_VERSION):
+            self._close_quietly()
             raise JournalError(f"journal {self.path} has an unsupported schema version")
+
+    def _close_quietly(self) -> None:
+        conn = getattr(self, "conn", None)
+        if conn is not None:
+            conn.close()
 
     @contextmanager
     def _tx(self) -> Iterator[None]:
@@ -127,9 +134,13 @@ class Journal:
 
     def register_job(self, job: JobSpec) -> str:
         jid = job_id(job)
-        with self._tx():
-            self.conn.execute("INSERT OR IGNORE INTO jobs(job_id, job_json) VALUES (?, ?)",
-                              (jid, json.dumps(job.model_dump(mode="json"), sort_keys=True)))
+        try:
+            with self._tx():
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO jobs(job_id, job_json) VALUES (?, ?)",
+                    (jid, json.dumps(job.model_dump(mode="json"), sort_keys=True)))
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
         return jid
 
     def record(self, jid: str, partition: str, backend: str, knobs: Knobs, m: Measurement

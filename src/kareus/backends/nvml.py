@@ -46,6 +46,8 @@ class NvmlBackend:
         self.min_runs = min_runs
         self._collective_factory = collective
         self._runners: dict = {}
+        self._kernels: dict = {}
+        self._collectives: dict = {}
 
     def measure_static_power(self, window_s: float | None = None) -> float:
         """Measure static power on the spot: the GPU holding its memory and waiting (as in
@@ -115,8 +117,17 @@ class NvmlBackend:
 
         key = (partition.key, knobs.sms, knobs.slot)
         if key not in self._runners:
-            kernels = build_kernels(partition, self.job, self.torch_device)
-            coll = (self._collective_factory(partition.collective, knobs.sms)
+            # kernels depend on the partition only, the collective on its SM count: build
+            # each once, whatever the number of settings measured
+            kernels = self._kernels.get(partition.key)
+            if kernels is None:
+                kernels = self._kernels[partition.key] = build_kernels(
+                    partition, self.job, self.torch_device)
+            ckey = (partition.key, knobs.sms if self._collective_factory else 0)
+            coll = self._collectives.get(ckey)
+            if coll is None:
+                coll = self._collectives[ckey] = (
+                    self._collective_factory(partition.collective, knobs.sms)
                     if self._collective_factory is not None
                     else stand_in_collective(partition.collective.bytes_, self.torch_device))
             self._runners[key] = PartitionRunner(kernels, coll,

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class ClockGuard:
         self.locked_mhz: int | None = None
         self.stale_warning: str | None = None
         self._previous: dict[int, object] = {}
+        self._supported: frozenset[int] | None = None
 
     # Context -------------------------------------------------------------------------------
 
@@ -83,11 +85,13 @@ class ClockGuard:
             raise SpecError(
                 f"{freq_mhz} MHz needs a clock change; pass --allow-clock-changes to let "
                 f"Kareus lock SM clocks (they are reset on exit)")
-        if freq_mhz not in self.device.supported_clocks_mhz():
-            raise SpecError(f"{freq_mhz} MHz is not a supported clock of GPU "
-                            f"{self.device.index} ({self.device.name})")
         if self.locked_mhz == freq_mhz:
             return
+        if self._supported is None:
+            self._supported = frozenset(self.device.supported_clocks_mhz())
+        if freq_mhz not in self._supported:
+            raise SpecError(f"{freq_mhz} MHz is not a supported clock of GPU "
+                            f"{self.device.index} ({self.device.name})")
         self._write_lock(freq_mhz)  # the lock file first: a crash after this is recoverable
         self.device.set_locked_clocks(freq_mhz, freq_mhz)
         self.locked_mhz = freq_mhz
@@ -122,6 +126,7 @@ class ClockGuard:
         else:
             self.stale_warning = (f"GPU {self.device.index} may still have clocks locked by "
                                   f"a process that died; run `kareus gpu reset-clocks`")
+            sys.stderr.write(f"kareus: warning: {self.stale_warning}\n")
 
 
 def reset_clocks(device: GPUDevice, lock_dir: str | None = None) -> None:

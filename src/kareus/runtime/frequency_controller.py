@@ -16,11 +16,12 @@ import os
 import queue as queue_mod
 from pathlib import Path
 
+from kareus.errors import KareusError
 from kareus.execution import ExecutionPlan
 
 
-def _child(q, stage: int, gpu_index: int, dry_run: bool, log_path: str | None,
-           parent_pid: int) -> None:
+def _child(q, gpu_index: int, dry_run: bool, log_path: str | None, parent_pid: int
+           ) -> None:
     log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
     try:
         if dry_run:
@@ -68,8 +69,8 @@ class FrequencyController:
         if self._proc is None:
             self._q = self._ctx.Queue()
             self._proc = self._ctx.Process(
-                target=_child, args=(self._q, self.stage, self.gpu_index, self.dry_run,
-                                     self.log_path, os.getpid()), daemon=True)
+                target=_child, args=(self._q, self.gpu_index, self.dry_run, self.log_path,
+                                     os.getpid()), daemon=True)
             self._proc.start()
         return self
 
@@ -77,12 +78,16 @@ class FrequencyController:
         """Ask the child to finish (it resets the clocks) and wait for it."""
         if self._proc is None:
             return
-        self._q.put(None)
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
-            self._proc.terminate()  # SIGTERM: the guard still resets the clocks
-            self._proc.join(timeout_s)
-        self._proc = None
+        proc, self._proc = self._proc, None
+        if proc.is_alive():
+            self._q.put(None)
+            proc.join(timeout_s)
+        if proc.is_alive():
+            proc.terminate()  # SIGTERM: the guard still resets the clocks
+            proc.join(timeout_s)
+        if proc.exitcode not in (0, None):
+            raise KareusError(f"the frequency controller exited with status {proc.exitcode}"
+                              f"; clocks may not have followed the plan")
 
     def __enter__(self) -> FrequencyController:
         return self.start()
@@ -93,6 +98,11 @@ class FrequencyController:
     def _send(self, direction: str, microbatch: int) -> None:
         if self._proc is None:
             self.start()
+        elif not self._proc.is_alive():
+            code = self._proc.exitcode
+            self._proc = None
+            raise KareusError(f"the frequency controller died (status {code}); clocks are "
+                              f"not following the plan")
         self._q.put((direction, microbatch, self.plan.freq(self.stage, microbatch,
                                                             direction)))
 

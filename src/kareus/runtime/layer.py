@@ -144,21 +144,23 @@ class LayerPlan:
 class LlamaLayer(torch.nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
                  tp_group=None, seed: int = 0, dtype=torch.float32,
-                 groups_by_sms: Callable[[int], object] | None = None, cp_group=None
-                 ) -> None:
+                 groups_by_sms: Callable[[int], object] | None = None, cp_group=None,
+                 cp_groups_by_sms: Callable[[int], object] | None = None) -> None:
         super().__init__()
         self.group = tp_group
         self.cp_group = cp_group
         self.cp = _world(cp_group)
         self.cp_rank = _rank(cp_group)
         tp, r = _world(tp_group), _rank(tp_group)
-        if heads % tp or ffn % tp:
-            raise ValueError(f"tp={tp} must divide heads ({heads}) and FFN ({ffn})")
+        if heads % tp or ffn % tp or (kv_heads % tp and tp % kv_heads):
+            raise ValueError(f"tp={tp} must divide heads ({heads}) and FFN ({ffn}), and "
+                             f"divide or be a multiple of the KV heads ({kv_heads})")
         self.h, self.d = hidden, head_dim
         self.heads = heads // tp
         self.kv = max(1, kv_heads // tp)
         self.ffn = ffn // tp
         self.groups_by_sms = groups_by_sms
+        self.cp_groups_by_sms = cp_groups_by_sms
         g = torch.Generator().manual_seed(seed)
 
         def full(*shape):
@@ -257,28 +259,54 @@ class LlamaLayer(torch.nn.Module):
         return _Overlapped.apply(x, self, plan, *params)
 
 
-class _Collective:
-    """An asynchronous all-reduce issued once, waited for once."""
+class Pending:
+    """One asynchronous collective of a partition: issued once (before the slot's op),
+    waited for once (at the partition's end). With ``groups_by_sms``, it runs on the
+    process group for its SM count (NCCL min_ctas = max_ctas = SMs)."""
 
-    def __init__(self, tensor, layer: LlamaLayer, sms: int) -> None:
-        self.tensor, self.layer, self.sms = tensor, layer, sms
+    def __init__(self, kind: str, tensor, group, sms: int = 0, groups_by_sms=None) -> None:
+        self.kind, self.tensor, self.group = kind, tensor, group
+        if groups_by_sms is not None and sms > 0 and _world(group) > 1:
+            self.group = groups_by_sms(sms)
         self.work = None
+        self.result = None
         self.issued = False
 
     def issue(self) -> None:
         if self.issued:
             return
         self.issued = True
-        layer = self.layer
-        if _world(layer.group) > 1:
-            group = layer.groups_by_sms(self.sms) if layer.groups_by_sms else layer.group
-            self.work = dist.all_reduce(self.tensor, group=group, async_op=True)
+        t, g = self.tensor, self.group
+        if _world(g) <= 1:
+            self.result = t
+            return
+        if self.kind == "all_reduce":
+            self.result = t
+            self.work = dist.all_reduce(t, group=g, async_op=True)
+        elif self.kind == "all_gather":
+            self._parts = [torch.empty_like(t) for _ in range(_world(g))]
+            self.work = dist.all_gather(self._parts, t.contiguous(), group=g, async_op=True)
+        elif self.kind == "reduce_scatter":  # all-reduce, then this rank's chunk (gloo has
+            self.result = t.contiguous().clone()  # no reduce-scatter; same numbers)
+            self.work = dist.all_reduce(self.result, group=g, async_op=True)
+        else:
+            raise ValueError(f"unknown collective {self.kind}")
 
     def wait(self):
         self.issue()
         if self.work is not None:
             self.work.wait()
-        return self.tensor
+            self.work = None
+            if self.kind == "all_gather":
+                self.result = torch.cat(self._parts, dim=1)
+            elif self.kind == "reduce_scatter":
+                n = _world(self.group)
+                self.result = self.result.chunk(n, dim=1)[_rank(self.group)].contiguous()
+        return self.result
+
+
+def _tp_reduce(tensor, layer, plan, key) -> Pending:
+    return Pending("all_reduce", tensor, layer.group, plan.sms(key), layer.groups_by_sms)
 
 
 def _run_forward_segment(layer, kind, inp, launch_op, pending):
@@ -341,23 +369,23 @@ class _Overlapped(torch.autograd.Function):
         with torch.no_grad():
             # P0: nb0.attn (solo)
             _, p0 = _run_forward_segment(layer, "attn", x0, None, None)
-            c0 = _Collective(p0, layer, plan.sms("fwd_attn"))
+            c0 = _tp_reduce(p0, layer, plan, "fwd_attn")
             # P1: nb1.attn + AR(p0)
             _, p1 = _run_forward_segment(layer, "attn", x1, plan.launch_op("fwd_attn"), c0)
             c0.wait()
-            c1 = _Collective(p1, layer, plan.sms("fwd_mlp"))
+            c1 = _tp_reduce(p1, layer, plan, "fwd_mlp")
             # P2: nb0.mlp + AR(p1)
-            h0, m0 = _run_forward_segment(layer, "mlp", (x0, c0.tensor),
+            h0, m0 = _run_forward_segment(layer, "mlp", (x0, c0.result),
                                           plan.launch_op("fwd_mlp"), c1)
             c1.wait()
-            c2 = _Collective(m0, layer, plan.sms("fwd_mlp"))
+            c2 = _tp_reduce(m0, layer, plan, "fwd_mlp")
             # P3: nb1.mlp + AR(m0)
-            h1, m1 = _run_forward_segment(layer, "mlp", (x1, c1.tensor),
+            h1, m1 = _run_forward_segment(layer, "mlp", (x1, c1.result),
                                           plan.launch_op("fwd_mlp"), c2)
             c2.wait()
-            c3 = _Collective(m1, layer, plan.sms("fwd_mlp"))
+            c3 = _tp_reduce(m1, layer, plan, "fwd_mlp")
             c3.wait()  # exposed
-            y = torch.cat([h0 + c2.tensor, h1 + c3.tensor], dim=0)
+            y = torch.cat([h0 + c2.result, h1 + c3.result], dim=0)
         ctx.layer, ctx.plan = layer, plan
         ctx.save_for_backward(x0, x1, h0, h1)
         return y
@@ -418,21 +446,21 @@ class _Overlapped(torch.autograd.Function):
         attn_launch = plan.launch_op("bwd_attn")
         # B0: nb0.mlp' (solo)
         db0 = mlp_bwd(h0, dy0, None, None)
-        c0 = _Collective(db0, layer, plan.sms("bwd_mlp"))
+        c0 = _tp_reduce(db0, layer, plan, "bwd_mlp")
         # B1: nb1.mlp' + AR(db0)
         db1 = mlp_bwd(h1, dy1, c0, mlp_launch)
         c0.wait()
-        c1 = _Collective(db1, layer, plan.sms("bwd_attn"))
+        c1 = _tp_reduce(db1, layer, plan, "bwd_attn")
         # B2: nb0.attn' + AR(db1)
-        dh0, da0 = attn_bwd(x0, h0, dy0, c0.tensor, c1, attn_launch)
+        dh0, da0 = attn_bwd(x0, h0, dy0, c0.result, c1, attn_launch)
         c1.wait()
-        c2 = _Collective(da0, layer, plan.sms("bwd_attn"))
+        c2 = _tp_reduce(da0, layer, plan, "bwd_attn")
         # B3: nb1.attn' + AR(da0)
-        dh1, da1 = attn_bwd(x1, h1, dy1, c1.tensor, c2, attn_launch)
+        dh1, da1 = attn_bwd(x1, h1, dy1, c1.result, c2, attn_launch)
         c2.wait()
-        c3 = _Collective(da1, layer, plan.sms("bwd_attn"))
+        c3 = _tp_reduce(da1, layer, plan, "bwd_attn")
         c3.wait()  # exposed
-        dx = torch.cat([norm1_bwd(x0, dh0, c2.tensor), norm1_bwd(x1, dh1, c3.tensor)], dim=0)
+        dx = torch.cat([norm1_bwd(x0, dh0, c2.result), norm1_bwd(x1, dh1, c3.result)], dim=0)
         order = [layer.wqkv, layer.wo, layer.w1, layer.w2, layer.norm1, layer.norm2]
         return (dx, None, None, *[grads[id(w)] for w in order])
 

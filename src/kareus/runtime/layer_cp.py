@@ -15,57 +15,15 @@ partition's end.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from kareus.runtime.layer import _BWD_TAPS, _rank, _world, rmsnorm
-
-
-class Pending:
-    """One asynchronous collective: issued once (before the slot's op), waited once."""
-
-    def __init__(self, kind: str, tensor, group) -> None:
-        self.kind, self.tensor, self.group = kind, tensor, group
-        self.work = None
-        self.result = None
-        self.issued = False
-
-    def issue(self) -> None:
-        if self.issued:
-            return
-        self.issued = True
-        t, g = self.tensor, self.group
-        if _world(g) <= 1:
-            self.result = t
-            return
-        if self.kind == "all_reduce":
-            self.result = t
-            self.work = dist.all_reduce(t, group=g, async_op=True)
-        elif self.kind == "all_gather":
-            parts = [torch.empty_like(t) for _ in range(_world(g))]
-            self.work = dist.all_gather(parts, t.contiguous(), group=g, async_op=True)
-            self._parts = parts
-        elif self.kind == "reduce_scatter":  # all-reduce, then this rank's chunk
-            self.result = t.contiguous().clone()
-            self.work = dist.all_reduce(self.result, group=g, async_op=True)
-
-    def wait(self):
-        self.issue()
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            if self.kind == "all_gather":
-                self.result = torch.cat(self._parts, dim=1)
-            elif self.kind == "reduce_scatter":
-                n = _world(self.group)
-                self.result = self.result.chunk(n, dim=1)[_rank(self.group)].contiguous()
-        return self.result
+from kareus.runtime.layer import _BWD_TAPS, Pending, rmsnorm
 
 
 class OverlappedCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer, plan, *params):
-        tp, cp = layer.group, layer.cp_group
         xs = x.detach().chunk(2, dim=0)
+        coll = _collectives(layer, plan)
 
         def at(key, name, pending):
             if pending is not None and plan.launch_op(key) == name:
@@ -108,25 +66,25 @@ class OverlappedCP(torch.autograd.Function):
 
         with torch.no_grad():
             q0, kv0 = seg_qkv(0, "fwd_qkv_ag", None)                        # solo
-            ag0 = Pending("all_gather", kv0, cp)
+            ag0 = coll("all_gather", kv0, "fwd_qkv_ag")
             q1, kv1 = seg_qkv(1, "fwd_qkv_ag", ag0)
             done(ag0)
             kv0f = ag0.wait()
-            ag1 = Pending("all_gather", kv1, cp)
+            ag1 = coll("all_gather", kv1, "fwd_ao_ag")
             p0 = seg_ao(0, "fwd_ao_ag", q0, kv0f, ag1)
             done(ag1)
             kv1f = ag1.wait()
-            ar0 = Pending("all_reduce", p0, tp)
+            ar0 = coll("all_reduce", p0, "fwd_ao_ar")
             p1 = seg_ao(1, "fwd_ao_ar", q1, kv1f, ar0)
             done(ar0)
-            ar1 = Pending("all_reduce", p1, tp)
+            ar1 = coll("all_reduce", p1, "fwd_mlp")
             h0, m0 = seg_mlp(0, "fwd_mlp", ar0.wait(), ar1)
             done(ar1)
-            ar2 = Pending("all_reduce", m0, tp)
+            ar2 = coll("all_reduce", m0, "fwd_mlp")
             h1, m1 = seg_mlp(1, "fwd_mlp", ar1.wait(), ar2)
             done(ar2)
             y0 = h0 + ar2.wait()
-            y1 = h1 + Pending("all_reduce", m1, tp).wait()                   # exposed
+            y1 = h1 + coll("all_reduce", m1, "fwd_mlp").wait()                   # exposed
         ctx.layer, ctx.plan = layer, plan
         ctx.save_for_backward(*xs, h0, h1, *attn_out)
         return torch.cat([y0, y1], dim=0)
@@ -134,7 +92,7 @@ class OverlappedCP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         layer, plan = ctx.layer, ctx.plan
-        tp, cp = layer.group, layer.cp_group
+        coll = _collectives(layer, plan)
         x0, x1, h0, h1, o0, o1 = ctx.saved_tensors
         xs, hs, outs = (x0, x1), (h0, h1), (o0, o1)
         dys = dy.chunk(2, dim=0)
@@ -220,28 +178,28 @@ class OverlappedCP(torch.autograd.Function):
             return g[0]
 
         db0 = mlp_bwd(0, "bwd_mlp", None)                                    # solo
-        c = Pending("all_reduce", db0, tp)
+        c = coll("all_reduce", db0, "bwd_mlp")
         db1 = mlp_bwd(1, "bwd_mlp", c)
         db0 = c.wait()
-        c = Pending("all_reduce", db1, tp)
+        c = coll("all_reduce", db1, "bwd_o_ar")
         dh0, do0, q0, kv0 = o_bwd(0, "bwd_o_ar", db0, c)
         db1 = c.wait()
-        c = Pending("all_gather", kv0, cp)
+        c = coll("all_gather", kv0, "bwd_o_ag")
         dh1, do1, q1, kv1 = o_bwd(1, "bwd_o_ag", db1, c)
         kv0f = c.wait()
-        c = Pending("all_gather", kv1, cp)
+        c = coll("all_gather", kv1, "bwd_a_ag")
         dq0, dkv0 = a_bwd(0, "bwd_a_ag", q0, kv0f, do0, c)
         kv1f = c.wait()
-        c = Pending("reduce_scatter", dkv0, cp)
+        c = coll("reduce_scatter", dkv0, "bwd_a_rs")
         dq1, dkv1 = a_bwd(1, "bwd_a_rs", q1, kv1f, do1, c)
         dkv0l = c.wait()
-        c = Pending("reduce_scatter", dkv1, cp)
+        c = coll("reduce_scatter", dkv1, "bwd_qkv_rs")
         da0 = qkv_bwd(0, "bwd_qkv_rs", dq0, dkv0l, c)
         dkv1l = c.wait()
-        c = Pending("all_reduce", da0, tp)
+        c = coll("all_reduce", da0, "bwd_qkv_ar")
         da1 = qkv_bwd(1, "bwd_qkv_ar", dq1, dkv1l, c)
         da0 = c.wait()
-        da1 = Pending("all_reduce", da1, tp).wait()                          # exposed
+        da1 = coll("all_reduce", da1, "bwd_qkv_ar").wait()                          # exposed
         dxs = []
         for nb, dh, da in ((0, dh0, da0), (1, dh1, da1)):
             with torch.enable_grad():
@@ -250,3 +208,15 @@ class OverlappedCP(torch.autograd.Function):
             grads[id(layer.norm1)] += gn1
             dxs.append(dh + gx)
         return (torch.cat(dxs, dim=0), None, None, *[grads[id(w)] for w in order])
+
+
+def _collectives(layer, plan):
+    """A factory of the partition collectives, on the TP or CP group (and, where given, the
+    group for the plan's SM count of the partition that hides it)."""
+
+    def make(kind: str, tensor, key: str) -> Pending:
+        if kind == "all_reduce":
+            return Pending(kind, tensor, layer.group, plan.sms(key), layer.groups_by_sms)
+        return Pending(kind, tensor, layer.cp_group, plan.sms(key), layer.cp_groups_by_sms)
+
+    return make

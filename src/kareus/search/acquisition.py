@@ -1,9 +1,11 @@
 """Filling a batch: several passes, each scoring every unmeasured setting.
 
-Passes (default shares 40/20/20/20, as published): hypervolume improvement in (time, total
-energy); in (time, dynamic energy), which favours low clocks; fastest predicted time, i.e.
-(time, static energy), which favours high clocks; and ensemble disagreement, preferring
-settings far from anything measured. Within a hypervolume pass each pick is added to the
+Passes: hypervolume improvement in (time, total energy); in (time, dynamic energy), which
+favours low clocks; fastest predicted time, i.e. (time, static energy), which favours high
+clocks; ensemble disagreement, preferring settings far from anything measured (the four
+published passes, 40/20/20/20); and ours, per_frequency: at most one setting per clock
+where the predicted time beats that clock's best measured time by the most. Default
+shares: 30/15/10/15/30 (SearchConfig.shares). Within a hypervolume pass each pick is added to the
 front as if measured at its predicted value, so the next pick goes elsewhere. Whatever a
 pass cannot fill (no candidate improves the front) goes to the uncertainty pass.
 """
