@@ -82,6 +82,10 @@ def test_optimize_cli_and_rerun_reuses_the_journal(tmp_path):
 def test_optimize_bad_arguments(tmp_path):
     r = run_cli("optimize", "-p", "kareus-1", "--out", str(tmp_path), "--budget", "3")
     assert r.code == 2 and "initial design" in r.err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    r = run_cli("optimize", "-p", "kareus-1", "--out", str(a_file), "--budget", "20")
+    assert r.code == 2 and "cannot create" in r.err and len(r.err.strip().splitlines()) == 1
 
 
 def test_plan_export_cli(result, tmp_path):

@@ -408,6 +408,7 @@ def search(
         raise KareusError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     if executor not in EXECUTORS:
         raise KareusError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    _check_workers(workers)
     if prior not in ("none", "emulator"):
         raise KareusError(f"unknown prior {prior!r}; available: none, emulator")
     config = SearchConfig(strategy=strategy, budget=budget, seed=seed, initial=initial,
@@ -462,6 +463,11 @@ def search(
                           f"{q['time_s'] * 1e3:,.3f}", f"{q['dynamic_energy_j']:,.4f}",
                           f"{q['energy_j']:,.4f}")
         console.print(front)
+
+
+def _check_workers(workers: Optional[int]) -> None:
+    if workers is not None and workers < 1:
+        raise KareusError(f"--workers must be at least 1, got {workers}")
 
 
 def _run_with_progress(tasks, executor, workers, ray_address) -> list[dict]:
@@ -532,6 +538,11 @@ def optimize(
 
     if executor not in EXECUTORS:
         raise KareusError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    _check_workers(workers)
+    from pathlib import Path
+
+    if Path(out).exists() and not Path(out).is_dir():
+        raise KareusError(f"cannot create {out}: it is a file, not a directory")
     make_backend(job, backend, noise, seed, calibration)
     config = SearchConfig(budget=budget, seed=seed, tolerance=tolerance)
     ps = PartitionSet.from_job(job)

@@ -28,3 +28,15 @@ def test_controller_starts_lazily_and_stops_twice_safely(tmp_path):
     ctl.stop()
     ctl.stop()
     assert log.read_text().split() == ["forward", "0", str(_plan().freq(0, 0, "forward"))]
+
+
+def test_a_dead_controller_is_reported(tmp_path):
+    import pytest
+
+    from kareus.errors import KareusError
+
+    ctl = FrequencyController(_plan(), 0, dry_run=True, log_path=tmp_path / "x.log").start()
+    ctl._proc.kill()
+    ctl._proc.join()
+    with pytest.raises(KareusError, match="died"):
+        ctl.before_forward(0)

@@ -78,6 +78,8 @@ def test_search_table_output():
     (["--partition", "fwd_mlp", "--strategy", "grid"], "unknown strategy"),
     (["--partition", "fwd_mlp", "--executor", "slurm"], "unknown executor"),
     (["--partition", "fwd_mlp", "--prior", "oracle"], "unknown prior"),
+    (["--partition", "fwd_mlp", "--initial", "0"], "at least 1 setting"),
+    (["--workers", "0"], "--workers must be at least 1"),
 ])
 def test_search_bad_arguments(extra, message):
     r = run_cli("search", "-p", "kareus-1", *extra)
