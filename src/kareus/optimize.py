@@ -19,7 +19,7 @@ from kareus import SCHEMA_VERSION
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.compose.build import ALIASES, METHODS, Composer, key_frontiers, to_execution_plan
-from kareus.compose.pipeline import solve_frontier
+from kareus.compose.pipeline import merge_frontiers, solve_frontier
 from kareus.errors import KareusError
 from kareus.metrics import method_metrics
 from kareus.partition import PartitionSet
@@ -29,6 +29,8 @@ from kareus.search.parallel import make_task, run_tasks
 from kareus.spec import JobSpec
 
 OVERLAPPING = {"nanobatch", "nanobatch_perseus", "kareus", "kareus_no_freq"}
+SUBSPACES = ("perseus", "nanobatch_perseus")
+"""Methods whose option sets are contained in Kareus's (per instruction, per clock)."""
 
 
 @dataclass
@@ -96,10 +98,17 @@ def optimize(job: JobSpec, out_dir: str | Path, config: SearchConfig, noise: flo
     plans: dict[str, list[Plan]] = {}
     worst = 0.0
     t0 = time.perf_counter()
+    solved: dict[str, list] = {}
     for method in (ALIASES.get(m, m) for m in methods):
         say(f"composing {method}")
         options = composer.options(method, fronts)
         points = solve_frontier(options, costs)
+        if method == "kareus":
+            # Phillips-Dessouky follows one path through a non-convex space; Kareus's
+            # options contain the default-overlap and sequential ones, so the plans solved
+            # in those sub-spaces are Kareus plans too: the frontier keeps the best of all
+            points = merge_frontiers(points, *(solved[m] for m in SUBSPACES if m in solved))
+        solved[method] = points
         plans[method] = []
         for i, pt in enumerate(points):
             execution = to_execution_plan(f"{method}-{i:03d}", pt.picks,

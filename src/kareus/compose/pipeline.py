@@ -113,6 +113,11 @@ def drop_wasteful(options: list[InstructionOption], static_power_w: float
     return [o for o in options if o.time_s <= best.time_s]
 
 
+def merge_frontiers(*fronts: list[PipelinePoint]) -> list[PipelinePoint]:
+    """The Pareto set of several solves' plans."""
+    return _frontier([p for f in fronts for p in f])
+
+
 def _frontier(points: list[PipelinePoint]) -> list[PipelinePoint]:
     return pareto_front(points, key=lambda p: (p.time_s, p.energy_j))
 
