@@ -32,6 +32,26 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _worst_errors(layer, x, dy, parts, plans):
+    """The plain layer's output and gradients, and per plan the largest relative error of
+    the overlapped layer's output and gradients against them."""
+
+    def run(plan):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi, plan)
+        y.backward(dy)
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    ref = run(None)
+    worst = {}
+    for name, knobs in plans.items():
+        got = run(LayerPlan.from_partitions(parts, knobs))
+        worst[name] = max(float(((a - b).abs().max() / b.abs().max()).item())
+                          for a, b in zip(got, ref))
+    return ref, worst
+
+
 def _worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -40,19 +60,7 @@ def _worker(rank, world, port, out_dir):
         x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(11))
         dy = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(12))
 
-        def run(plan):
-            layer.zero_grad()
-            xi = x.clone().requires_grad_(True)
-            y = layer(xi, plan)
-            y.backward(dy)
-            return [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
-
-        ref = run(None)
-        worst = {}
-        for name, knobs in PLANS.items():
-            got = run(LayerPlan.from_partitions(PARTS, knobs))
-            worst[name] = max(float(((a - b).abs().max() / b.abs().max()).item())
-                              for a, b in zip(got, ref))
+        _, worst = _worst_errors(layer, x, dy, PARTS, PLANS)
         torch.save(worst, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -100,19 +108,7 @@ def _worker_cp(rank, world, port, out_dir):
         x = full_x.chunk(2, dim=1)[rank].contiguous()  # this rank's half of the sequence
         dy = full_dy.chunk(2, dim=1)[rank].contiguous()
 
-        def run(plan):
-            layer.zero_grad()
-            xi = x.clone().requires_grad_(True)
-            y = layer(xi, plan)
-            y.backward(dy)
-            return [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
-
-        ref = run(None)
-        worst = {}
-        for name, knobs in PLANS_CP.items():
-            got = run(LayerPlan.from_partitions(PARTS_CP, knobs))
-            worst[name] = max(float(((a - b).abs().max() / b.abs().max()).item())
-                              for a, b in zip(got, ref))
+        ref, worst = _worst_errors(layer, x, dy, PARTS_CP, PLANS_CP)
         # and the CP layer computes what one unsplit layer computes (this rank's half)
         single = LlamaLayer(**SHAPE, seed=5)
         worst["vs one GPU"] = float(((ref[0] - single(full_x).chunk(2, dim=1)[rank]).abs()

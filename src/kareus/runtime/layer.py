@@ -104,6 +104,13 @@ def rmsnorm(x, w, eps: float = 1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def norm_backward(x, w, grad):
+    """Gradients of ``rmsnorm(x, w)`` with respect to x and w, recomputed from x."""
+    with torch.enable_grad():
+        xx = x.detach().requires_grad_(True)
+        return torch.autograd.grad(rmsnorm(xx, w), [xx, w], grad)
+
+
 def rotary(x, offset: int = 0, base: float = 10000.0):
     """x: [b, s, heads, d]."""
     s, d = x.shape[1], x.shape[3]
@@ -419,10 +426,7 @@ class _Overlapped(torch.autograd.Function):
             backward -> d(h) and partial d(norm1 output)."""
             if pending is not None and launch in ("pre_mlp_norm_bwd", "residual_attn_bwd"):
                 pending.issue()
-            with torch.enable_grad():
-                hh = h.detach().requires_grad_(True)
-                bn = rmsnorm(hh, layer.norm2)
-                gh, gn2 = torch.autograd.grad(bn, [hh, layer.norm2], db_full)
+            gh, gn2 = norm_backward(h, layer.norm2, db_full)
             dh = dy_nb + gh
             grads[id(layer.norm2)] += gn2
             with torch.enable_grad():
@@ -435,10 +439,7 @@ class _Overlapped(torch.autograd.Function):
             return dh, g[0]
 
         def norm1_bwd(x, dh, da_full):
-            with torch.enable_grad():
-                xx = x.detach().requires_grad_(True)
-                a = rmsnorm(xx, layer.norm1)
-                gx, gn1 = torch.autograd.grad(a, [xx, layer.norm1], da_full)
+            gx, gn1 = norm_backward(x, layer.norm1, da_full)
             grads[id(layer.norm1)] += gn1
             return dh + gx
 
@@ -473,6 +474,8 @@ def _hook(taps: dict, launch: str | None, pending) -> None:
     if name is None:
         if launch is not None:  # a norm/residual slot: the start of the partition
             pending.issue()
+        return
+    if name not in taps:  # the slot's op is not in this piece of the partition
         return
     tensors = taps[name] if isinstance(taps[name], tuple) else (taps[name],)
     for t in tensors:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kareus.runtime.layer import _BWD_TAPS, Pending, rmsnorm
+from kareus.runtime.layer import Pending, _hook, norm_backward, rmsnorm
 
 
 class OverlappedCP(torch.autograd.Function):
@@ -109,16 +109,6 @@ class OverlappedCP(torch.autograd.Function):
             if pending is not None and plan.launch_op(key) in names:
                 pending.issue()
 
-        def hook(key, taps, pending):
-            if pending is None:
-                return
-            name = _BWD_TAPS.get(plan.launch_op(key) or "")
-            if name is None or name not in taps:
-                return
-            ts = taps[name] if isinstance(taps[name], tuple) else (taps[name],)
-            for t in ts:
-                t.register_hook(lambda g: (pending.issue(), None)[1])
-
         def finish(pending):
             if pending is not None:
                 pending.issue()
@@ -129,7 +119,7 @@ class OverlappedCP(torch.autograd.Function):
                 bn = rmsnorm(hs[nb], layer.norm2).detach().requires_grad_(True)
                 taps: dict = {}
                 m = layer.mlp_core(bn, taps)
-                hook(key, taps, pending)
+                _hook(taps, plan.launch_op(key), pending)
                 g = torch.autograd.grad(m, [bn, layer.w1, layer.w2], dys[nb])
             acc([layer.w1, layer.w2], g[1:])
             finish(pending)
@@ -139,10 +129,7 @@ class OverlappedCP(torch.autograd.Function):
             """norm2 backward + residual, output projection backward -> dh, d(attention
             output); also recomputes q and this rank's K, V for what follows."""
             start(key, pending, ("pre_mlp_norm_bwd", "residual_attn_bwd"))
-            with torch.enable_grad():
-                hh = hs[nb].detach().requires_grad_(True)
-                gh, gn2 = torch.autograd.grad(rmsnorm(hh, layer.norm2), [hh, layer.norm2],
-                                              db_full)
+            gh, gn2 = norm_backward(hs[nb], layer.norm2, db_full)
             grads[id(layer.norm2)] += gn2
             dh = dys[nb] + gh
             start(key, pending, ("out_proj_bwd",))
@@ -171,7 +158,7 @@ class OverlappedCP(torch.autograd.Function):
                 a = rmsnorm(xs[nb], layer.norm1).detach().requires_grad_(True)
                 taps: dict = {}
                 q, kv = layer.qkv_core(a, taps)
-                hook(key, taps, pending)
+                _hook(taps, plan.launch_op(key), pending)
                 g = torch.autograd.grad([q, kv], [a, layer.wqkv], [dq, dkv_local])
             grads[id(layer.wqkv)] += g[1]
             finish(pending)
@@ -202,9 +189,7 @@ class OverlappedCP(torch.autograd.Function):
         da1 = coll("all_reduce", da1, "bwd_qkv_ar").wait()                          # exposed
         dxs = []
         for nb, dh, da in ((0, dh0, da0), (1, dh1, da1)):
-            with torch.enable_grad():
-                xx = xs[nb].detach().requires_grad_(True)
-                gx, gn1 = torch.autograd.grad(rmsnorm(xx, layer.norm1), [xx, layer.norm1], da)
+            gx, gn1 = norm_backward(xs[nb], layer.norm1, da)
             grads[id(layer.norm1)] += gn1
             dxs.append(dh + gx)
         return (torch.cat(dxs, dim=0), None, None, *[grads[id(w)] for w in order])
