@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from kareus.backends.base import Knobs
+from kareus.core import Knobs
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.methods import baseline_plan

@@ -38,14 +38,14 @@ def _quality(job, partition, truth):
 
     space = KnobSpace(partition, job.freqs_mhz, job.gpu_spec.max_freq_mhz)
     return FrontierQuality([(m.time_s, m.dynamic_energy_j) for m in
-                            (truth.measure_exact(partition, k) for k in space.settings)])
+                            (truth.predict(partition, k) for k in space.settings)])
 
 
 def _prefix_ratios(result, truth, partition, quality):
     """(samples, ratio) after the initial design and after every batch."""
     out = []
     for n, _ in result.hv_history:
-        pts = [truth.measure_exact(partition, s.knobs) for s in result.samples[:n]]
+        pts = [truth.predict(partition, s.knobs) for s in result.samples[:n]]
         out.append((n, quality.ratio((m.time_s, m.dynamic_energy_j) for m in pts)))
     return out
 
@@ -88,7 +88,7 @@ def run_case(args):
                             SearchConfig(strategy="random", seed=seed, budget=b))
             out["random"][b] = quality.ratio(
                 (m.time_s, m.dynamic_energy_j) for m in
-                (truth.measure_exact(p, s.knobs) for s in rr.samples))
+                (truth.predict(p, s.knobs) for s in rr.samples))
     else:
         for name, prior in (("without_prior", None), ("with_prior", EmulatorBackend(job))):
             real = EmulatorBackend(job, params=params, noise=NOISE, seed=seed)

@@ -28,7 +28,7 @@ def main() -> None:
 
     import torch
 
-    from kareus.backends.base import Knobs, MeasurementProtocol
+    from kareus.core import Knobs, MeasurementProtocol
     from kareus.backends.emulator import EmulatorBackend
     from kareus.backends.nvml import NvmlBackend
     from kareus.gpu.clock_guard import ClockGuard
@@ -57,7 +57,7 @@ def main() -> None:
             for sms, slot in ((12, p.slots[0].name), (24, p.slots[1].name), (12, None)):
                 k = Knobs(freq, sms, slot)
                 r = real.measure(p, k)
-                e = emu.measure_exact(p, Knobs(min(freq, job.gpu_spec.max_freq_mhz)
+                e = emu.predict(p, Knobs(min(freq, job.gpu_spec.max_freq_mhz)
                                                if freq in job.gpu_spec.clock_table_mhz
                                                else job.gpu_spec.max_freq_mhz, sms, slot))
                 row = {"partition": p.key, "sms": sms, "slot": slot,

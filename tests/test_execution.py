@@ -3,7 +3,8 @@ import json
 import pytest
 
 from kareus.errors import SpecError
-from kareus.execution import ExecutionPlan, PartitionChoice
+from kareus.core import PartitionSetting
+from kareus.execution import ExecutionPlan
 from kareus.methods import baseline_plan
 from kareus.sources import build_job
 
@@ -12,13 +13,13 @@ def test_plan_round_trips_through_json():
     plan = ExecutionPlan(
         "p", overlap=True, default_freq_mhz=1410,
         instruction_freqs={(0, 1, "forward"): 1200},
-        knobs={"fwd_attn": PartitionChoice(12, "linear_0")},
-        knobs_by_freq={("fwd_mlp", 900): PartitionChoice(6, None)})
+        knobs={"fwd_attn": PartitionSetting(12, "linear_0")},
+        knobs_by_freq={("fwd_mlp", 900): PartitionSetting(6, None)})
     again = ExecutionPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
     assert again.freq(0, 1, "forward") == 1200 and again.freq(1, 0, "backward") == 1410
-    assert again.choice("fwd_mlp", 900, 32) == PartitionChoice(6, None)
-    assert again.choice("fwd_mlp", 1410, 32) == PartitionChoice(32, None)
+    assert again.choice("fwd_mlp", 900, 32) == PartitionSetting(6, None)
+    assert again.choice("fwd_mlp", 1410, 32) == PartitionSetting(32, None)
 
 
 @pytest.mark.parametrize("doc", [{}, {"schema_version": 99}, {"schema_version": 1},

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kareus import SCHEMA_VERSION
 from kareus.errors import KareusError
+from kareus.executors import ExecutorSpec
+from kareus.methods import ISO_REFERENCE, all_methods, display_name
+from kareus.optimize import optimize
 from kareus.presets import JOB_PRESETS
 from kareus.report import frontier_figure
 from kareus.search.loop import SearchConfig
@@ -30,8 +34,8 @@ METRIC_COLUMNS = ("iso_time_energy_reduction", "iso_energy_time_reduction",
 
 def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
               noise: float = 0.0, workers: int | None = None,
-              log: Callable[[str], None] | None = None) -> dict:
-    from kareus.optimize import optimize
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from kareus.backends.factory import BackendSpec
 
     if suite not in SUITES:
         raise KareusError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
@@ -43,8 +47,8 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
         if log:
             log(f"{preset}: optimizing")
         job = build_job(preset)
-        r = optimize(job, out / preset, SearchConfig(budget=budget, seed=seed), noise,
-                     workers=workers)
+        r = optimize(job, str(out / preset), SearchConfig(budget=budget, seed=seed),
+                     BackendSpec(noise=noise, seed=seed), ExecutorSpec(workers=workers))
         frontier_figure(r.frontier_points(), out / f"{preset}.png", job.describe())
         configs.append({
             "preset": preset,
@@ -52,8 +56,7 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
             "methods": {m: {"frontier": [{"time_s": t, "energy_j": e} for t, e in pts]}
                         for m, pts in r.frontier_points().items()},
             "metrics": {m: {k: r.metrics.get(m, {}).get(k) for k in METRIC_COLUMNS}
-                        for m in ("kareus", "nanobatch_perseus", "kareus_no_freq",
-                                  "nanobatch", "perseus")},
+                        for m in r.plans},
             "validation_max_rel_error": r.validation_max_error,
         })
     doc = {"schema_version": SCHEMA_VERSION, "suite": suite, "budget": budget, "seed": seed,
@@ -63,31 +66,36 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
     return doc
 
 
-def _pct(x) -> str:
+def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 100:.1f}%"
 
 
-def compare_markdown(doc: dict) -> str:
+def compare_markdown(doc: dict[str, Any]) -> str:
     heads = ["iso-time energy vs Perseus", "iso-energy time vs Perseus",
              "max-throughput time vs Megatron", "max-throughput energy vs Megatron"]
     lines = [f"# Kareus suite `{doc['suite']}` (emulator, budget {doc['budget']}, seed "
              f"{doc['seed']})", "",
-             "Reductions (higher is better). Kareus / Nanobatching + Perseus in each cell.", "",
-             "| config | job | " + " | ".join(heads) + " |",
-             "|---|---|" + "---|" * len(heads)]
-    best = {k: None for k in METRIC_COLUMNS}
+             "Reductions (higher is better), one row per workload and method.", "",
+             "| config | job | method | " + " | ".join(heads) + " |",
+             "|---|---|---|" + "---|" * len(heads)]
+    names = [m.name for m in all_methods() if m.name != ISO_REFERENCE]
+    best: dict[str, dict[str, float | None]] = {m: dict.fromkeys(METRIC_COLUMNS)
+                                               for m in names}
     for c in doc["configs"]:
-        cells = []
-        for k in METRIC_COLUMNS:
-            ka = c["metrics"]["kareus"][k]
-            nb = c["metrics"]["nanobatch_perseus"][k]
-            cells.append(f"{_pct(ka)} / {_pct(nb)}")
-            if ka is not None and (best[k] is None or ka > best[k]):
-                best[k] = ka
-        lines.append(f"| {c['preset']} | {c['job']} | " + " | ".join(cells) + " |")
-    lines += ["", "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads),
-              "| Kareus, best over the suite | " + " | ".join(_pct(best[k])
-                                                             for k in METRIC_COLUMNS) + " |",
-              "| Kareus paper (up to) | " + " | ".join(_pct(doc["paper_headline"][k])
+        for m in (m for m in names if m in c["metrics"]):
+            cells = []
+            for k in METRIC_COLUMNS:
+                v = c["metrics"][m][k]
+                cells.append(_pct(v))
+                b = best[m][k]
+                if v is not None and (b is None or v > b):
+                    best[m][k] = v
+            lines.append(f"| {c['preset']} | {c['job']} | {display_name(m)} | "
+                         + " | ".join(cells) + " |")
+    lines += ["", "| best over the suite | " + " | ".join(heads) + " |",
+              "|---|" + "---|" * len(heads)]
+    lines += [f"| {display_name(m)} | " + " | ".join(_pct(best[m][k]) for k in METRIC_COLUMNS)
+              + " |" for m in names]
+    lines += ["| Kareus paper (up to) | " + " | ".join(_pct(doc["paper_headline"][k])
                                                       for k in METRIC_COLUMNS) + " |", ""]
     return "\n".join(lines)

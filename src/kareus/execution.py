@@ -12,16 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kareus import SCHEMA_VERSION
+from kareus.core import InstructionId, PartitionSetting
 from kareus.errors import SpecError
-
-InstructionId = tuple[int, int, str]
-"""(stage, microbatch, "forward" | "backward")."""
-
-
-@dataclass(frozen=True)
-class PartitionChoice:
-    sms: int
-    slot: str | None
 
 
 @dataclass
@@ -30,15 +22,15 @@ class ExecutionPlan:
     overlap: bool
     default_freq_mhz: int
     instruction_freqs: dict[InstructionId, int] = field(default_factory=dict)
-    knobs: dict[str, PartitionChoice] = field(default_factory=dict)
+    knobs: dict[str, PartitionSetting] = field(default_factory=dict)
     """Per partition key, for every clock without a more specific entry."""
-    knobs_by_freq: dict[tuple[str, int], PartitionChoice] = field(default_factory=dict)
+    knobs_by_freq: dict[tuple[str, int], PartitionSetting] = field(default_factory=dict)
     default_sms: int | None = None
     """SMs of collectives the plan does not tune (None: the backend's NCCL-like default)."""
     default_slot: str | None = None
     """Slot of partitions without knobs: None means no overlap; "first" launches the
     collective as soon as its input is ready (before the partition's first op)."""
-    instruction_knobs: dict[InstructionId, dict[str, PartitionChoice]] = field(
+    instruction_knobs: dict[InstructionId, dict[str, PartitionSetting]] = field(
         default_factory=dict)
     """Per instruction, per key: the most specific setting (a composed plan may run a key
     differently in two instructions at the same clock)."""
@@ -50,7 +42,7 @@ class ExecutionPlan:
         return self.instruction_freqs.get((stage, microbatch, direction), self.default_freq_mhz)
 
     def choice(self, key: str, freq_mhz: int, default_sms: int,
-               instruction: InstructionId | None = None) -> PartitionChoice:
+               instruction: InstructionId | None = None) -> PartitionSetting:
         if instruction is not None:
             c = self.instruction_knobs.get(instruction, {}).get(key)
             if c is not None:
@@ -58,7 +50,7 @@ class ExecutionPlan:
         c = self.knobs_by_freq.get((key, freq_mhz)) or self.knobs.get(key)
         if c is not None:
             return c
-        return PartitionChoice(self.default_sms or default_sms, self.default_slot)
+        return PartitionSetting(self.default_sms or default_sms, self.default_slot)
 
     def runs_sequential(self, stage: int, direction: str, microbatch: int | None = None
                         ) -> bool:
@@ -105,16 +97,16 @@ class ExecutionPlan:
                     (int(e["stage"]), int(e["microbatch"]), str(e["direction"])):
                         int(e["freq_mhz"]) for e in doc.get("instruction_freqs", [])
                 },
-                knobs={k: PartitionChoice(int(v["sms"]), v["slot"])
+                knobs={k: PartitionSetting(int(v["sms"]), v["slot"])
                        for k, v in doc.get("knobs", {}).items()},
                 knobs_by_freq={
-                    (str(e["key"]), int(e["freq_mhz"])): PartitionChoice(int(e["sms"]),
+                    (str(e["key"]), int(e["freq_mhz"])): PartitionSetting(int(e["sms"]),
                                                                          e["slot"])
                     for e in doc.get("knobs_by_freq", [])
                 },
                 instruction_knobs={
                     (int(e["stage"]), int(e["microbatch"]), str(e["direction"])): {
-                        str(k): PartitionChoice(int(v["sms"]), v["slot"])
+                        str(k): PartitionSetting(int(v["sms"]), v["slot"])
                         for k, v in e["knobs"].items()}
                     for e in doc.get("instruction_knobs", [])
                 },

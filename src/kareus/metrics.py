@@ -12,7 +12,9 @@ Reductions are fractions (0.283 = 28.3%); None when no plan of the method qualif
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from kareus.methods import ISO_REFERENCE, THROUGHPUT_BASELINE
 
 Point = tuple[float, float]  # (time_s, energy_j)
 
@@ -42,8 +44,9 @@ def max_throughput_vs(method: Sequence[Point], baseline: Sequence[Point]
     return 1.0 - t / t0, 1.0 - e / e0
 
 
-def method_metrics(frontiers: dict[str, Sequence[Point]], reference: str = "perseus",
-                   baseline: str = "megatron") -> dict[str, dict[str, float | None]]:
+def method_metrics(frontiers: Mapping[str, Sequence[Point]], reference: str = ISO_REFERENCE,
+                   baseline: str = THROUGHPUT_BASELINE) -> dict[str, dict[str, float | None]]:
+    """The metrics of every method with a frontier, in the order given."""
     out = {}
     for name, front in frontiers.items():
         if not front:

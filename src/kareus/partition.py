@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kareus import SCHEMA_VERSION
+from kareus.core import DIRECTIONS, LAUNCH_FIRST
 from kareus.errors import SpecError
 from kareus.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
-
-DIRECTIONS = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,10 @@ class Partition:
             f"partition {self.key} has no slot {slot!r}; slots: "
             f"{', '.join(s.name for s in self.slots)} or none"
         )
+
+    def resolve_slot(self, slot: str | None) -> str | None:
+        """A plan's slot for this partition: `LAUNCH_FIRST` is its first slot."""
+        return self.slots[0].name if slot == LAUNCH_FIRST else slot
 
     def knob_space_size(self, num_freqs: int) -> int:
         return num_freqs * len(self.sm_choices) * len(self.launch_options)

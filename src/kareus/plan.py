@@ -8,12 +8,10 @@ the emulator's whole-iteration simulation of it (validation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from kareus import SCHEMA_VERSION
 from kareus.errors import KareusError, SpecError
 from kareus.execution import ExecutionPlan
-from kareus.jsonfile import read_json_object
 
 OBJECTIVES = ("max-throughput", "min-energy", "deadline", "energy-budget")
 
@@ -55,26 +53,6 @@ class Plan:
             raise SpecError(f"corrupt plan: {type(exc).__name__}: {exc}") from None
 
 
-def load_frontier(result_dir: str | Path, method: str) -> list[dict]:
-    """The method's frontier points from DIR/result.json: dicts with time_s, energy_j, plan."""
-    path = Path(result_dir) / "result.json"
-    doc = read_json_object(path, "result")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise KareusError(f"{path}: unsupported schema_version {doc.get('schema_version')!r}")
-    methods = doc.get("methods")
-    if not isinstance(methods, dict) or method not in methods:
-        known = ", ".join(methods) if isinstance(methods, dict) else "none"
-        raise KareusError(f"{path} has no method {method!r}; methods: {known}")
-    front = methods[method].get("frontier")
-    if not isinstance(front, list) or not front:
-        raise KareusError(f"{path}: method {method} has an empty frontier")
-    try:
-        return [{"time_s": float(p["time_s"]), "energy_j": float(p["energy_j"]),
-                 "plan": str(p["plan"])} for p in front]
-    except (KeyError, TypeError, ValueError):
-        raise KareusError(f"{path}: corrupt frontier of {method}") from None
-
-
 def select(frontier: list[dict], objective: str, value: float | None = None) -> dict:
     """The frontier point meeting ``objective``.
 
@@ -107,3 +85,18 @@ def select(frontier: list[dict], objective: str, value: float | None = None) -> 
                               f" J")
         return min(ok, key=lambda p: (p["time_s"], p["energy_j"]))
     raise KareusError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+
+
+def objective_of(max_throughput: bool = False, min_energy: bool = False,
+                 deadline_s: float | None = None, energy_budget_j: float | None = None
+                 ) -> tuple[str, float | None]:
+    """The one objective asked for, with its limit; KareusError unless exactly one."""
+    chosen = [name for name, on in (("max-throughput", max_throughput),
+                                    ("min-energy", min_energy),
+                                    ("deadline", deadline_s is not None),
+                                    ("energy-budget", energy_budget_j is not None)) if on]
+    if len(chosen) != 1:
+        raise KareusError("give exactly one of --max-throughput, --min-energy, --deadline, "
+                          "--energy-budget")
+    objective = chosen[0]
+    return objective, deadline_s if objective == "deadline" else energy_budget_j

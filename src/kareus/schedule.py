@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-InstructionId = tuple[int, int, str]  # (stage, microbatch, "forward" | "backward")
+from kareus.core import InstructionId
 
 
 def one_f_one_b(pp: int, microbatches: int, stage: int) -> list[tuple[int, str]]:

@@ -1,6 +1,8 @@
 """The SQLite journal: every measurement is stored before it is used.
 
-One row per (job, partition key, backend, knobs), committed as soon as it is measured, in
+One row per (job, partition key, backend, knobs), or per (job, run of ops, backend, clock,
+SMs) for what composition measures outside partitions, committed as soon as it is
+measured, in
 WAL mode so that a process killed at any moment (SIGKILL included) loses nothing that was
 committed, and so that several searches (processes) can write to one journal at once.
 A search that finds its settings in the journal reuses them instead of measuring again.
@@ -17,7 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kareus.backends.base import Knobs, Measurement
+from kareus.core import Knobs, Measurement
+from kareus.core.measurement import FIELDS
 from kareus.errors import KareusError
 from kareus.spec import JobSpec
 
@@ -43,7 +46,26 @@ CREATE TABLE IF NOT EXISTS measurements (
     created_at REAL NOT NULL,
     UNIQUE (job_id, partition, backend, freq_mhz, sms, slot)
 );
+CREATE TABLE IF NOT EXISTS backends (identity TEXT PRIMARY KEY, info_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS op_measurements (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    ops TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    freq_mhz INTEGER NOT NULL,
+    sms INTEGER NOT NULL,
+    time_s REAL NOT NULL,
+    energy_j REAL NOT NULL,
+    static_energy_j REAL NOT NULL,
+    dynamic_energy_j REAL NOT NULL,
+    avg_power_w REAL NOT NULL,
+    effective_freq_mhz REAL NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (job_id, ops, backend, freq_mhz, sms)
+);
 """
+_MEASUREMENT_COLUMNS = ("time_s, energy_j, static_energy_j, dynamic_energy_j, avg_power_w, "
+                        "effective_freq_mhz")
 
 _NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stored as text
 
@@ -159,7 +181,62 @@ class Journal:
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
 
+    def register_backend(self, identity: str, info: dict[str, object]) -> None:
+        """What a replay needs to know of the backend behind ``identity`` (its GPU, static
+        power, default SMs, measurement protocol); the first registration stays."""
+        try:
+            with self._tx():
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO backends(identity, info_json) VALUES (?, ?)",
+                    (identity, json.dumps(info, sort_keys=True)))
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
+
+    def record_ops(self, jid: str, ops: str, backend: str, freq_mhz: int, sms: int,
+                   m: Measurement) -> None:
+        """Store one measurement of a run of ops (``ops``: its `ops_signature`)."""
+        try:
+            with self._tx():
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO op_measurements(job_id, ops, backend, freq_mhz, sms,"
+                    f" {_MEASUREMENT_COLUMNS}, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (jid, ops, backend, freq_mhz, sms, *(getattr(m, f) for f in FIELDS),
+                     time.time()))
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
+
     # Reading ------------------------------------------------------------------------------
+
+    def backend_info(self, identity: str) -> dict[str, object] | None:
+        row = self.conn.execute("SELECT info_json FROM backends WHERE identity = ?",
+                                (identity,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def identities(self, jid: str) -> list[str]:
+        """Backends with measurements of the job, most measurements first."""
+        rows = self.conn.execute(
+            "SELECT backend, COUNT(*) AS n FROM measurements WHERE job_id = ? "
+            "GROUP BY backend ORDER BY n DESC, backend", (jid,)).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def op_samples(self, jid: str, backend: str
+                   ) -> dict[tuple[str, int, int], Measurement]:
+        """Every run of ops measured for the job on the backend: (ops, MHz, SMs) -> it."""
+        rows = self.conn.execute(
+            f"SELECT ops, freq_mhz, sms, {_MEASUREMENT_COLUMNS} FROM op_measurements "
+            "WHERE job_id = ? AND backend = ? ORDER BY id", (jid, backend)).fetchall()
+        return {(str(ops), int(f), int(n)): Measurement(*map(float, rest))
+                for ops, f, n, *rest in rows}
+
+    def partition_samples(self, jid: str, backend: str
+                          ) -> dict[tuple[str, Knobs], Measurement]:
+        """Every partition setting measured for the job on the backend."""
+        rows = self.conn.execute(
+            f"SELECT partition, freq_mhz, sms, slot, {_MEASUREMENT_COLUMNS} FROM measurements "
+            "WHERE job_id = ? AND backend = ? ORDER BY id", (jid, backend)).fetchall()
+        return {(str(part), Knobs(int(f), int(n), None if slot == _NONE_SLOT else slot)):
+                Measurement(*map(float, rest)) for part, f, n, slot, *rest in rows}
 
     def samples(self, jid: str, partition: str, backend: str) -> list[StoredSample]:
         rows = self.conn.execute(

@@ -2,7 +2,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.backends.base import Knobs, MeasurementProtocol
+from kareus.core import Knobs, MeasurementProtocol
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.nvml import NvmlBackend
 from kareus.errors import SpecError

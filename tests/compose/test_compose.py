@@ -6,14 +6,14 @@ from kareus.compose.build import Composer, key_frontiers, to_execution_plan
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
 from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
 from kareus.errors import SpecError
-from kareus.execution import PartitionChoice
+from kareus.core import PartitionSetting
 from kareus.partition import PartitionSet
 from kareus.search import SearchConfig, run_search
 from kareus.sources import build_job
 
 
 def _c(n):
-    return PartitionChoice(n, None)
+    return PartitionSetting(n, None)
 
 
 def test_two_partition_combination_by_hand():

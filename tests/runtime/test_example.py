@@ -10,7 +10,8 @@ pytest.importorskip("torch")
 
 import itertools
 
-from kareus.execution import ExecutionPlan, PartitionChoice
+from kareus.core import PartitionSetting
+from kareus.execution import ExecutionPlan
 from kareus.plan import Plan
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny.py"
@@ -32,10 +33,10 @@ def test_tiny_training_loss_decreases():
 
 def test_tiny_training_with_a_plan_file(tmp_path):
     ex = ExecutionPlan("kareus-001", overlap=True, default_freq_mhz=1200,
-                       knobs={"fwd_attn": PartitionChoice(6, "attn_0"),
-                              "fwd_mlp": PartitionChoice(9, "linear_1"),
-                              "bwd_mlp": PartitionChoice(3, "activation_0"),
-                              "bwd_attn": PartitionChoice(12, "rope_0")})
+                       knobs={"fwd_attn": PartitionSetting(6, "attn_0"),
+                              "fwd_mlp": PartitionSetting(9, "linear_1"),
+                              "bwd_mlp": PartitionSetting(3, "activation_0"),
+                              "bwd_attn": PartitionSetting(12, "rope_0")})
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(Plan("kareus-001", "kareus", 1.0, 1.0, ex).to_dict()))
     losses = _losses("--plan", str(path))

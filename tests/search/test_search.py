@@ -124,13 +124,13 @@ def test_bad_configs(cfg, message):
 
 def _quality(truth, p):
     pts = [(m.time_s, m.dynamic_energy_j) for m in
-           (truth.measure_exact(p, k) for k in KnobSpace(p, JOB.freqs_mhz, 1410).settings)]
+           (truth.predict(p, k) for k in KnobSpace(p, JOB.freqs_mhz, 1410).settings)]
     return FrontierQuality(pts)
 
 
 def _true_ratio(truth, p, samples, quality):
     return quality.ratio((m.time_s, m.dynamic_energy_j) for m in
-                         (truth.measure_exact(p, s.knobs) for s in samples))
+                         (truth.predict(p, s.knobs) for s in samples))
 
 
 def test_mbo_beats_random_at_small_budgets():

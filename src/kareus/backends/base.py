@@ -1,107 +1,102 @@
-"""What every backend offers: measure a partition at some knobs, or one op at a clock.
+"""The two seams between measuring and planning.
 
-A Backend turns (partition, knobs) into a Measurement. The emulator computes it; the NVML
-backend (real GPUs) measures it. Energies follow the Kareus accounting: dynamic energy =
-energy - static power x time, where static power is what the GPU draws while blocked in
-communication.
+- `Backend` measures: a partition at a setting and clock, or a run of ops outside
+  partitions (embedding, LM head and loss, a solo first segment, an exposed last
+  collective, pipeline send/receive, data-parallel sync), each back to back on the compute
+  stream with collectives blocking it. It has an identity for the journal and a profiling
+  cost. The emulator, the NVML backend (real GPUs) and the journal replay are Backends.
+- `CostModel` predicts, deterministically (no noise, no GPU): the search's prior and, on
+  machines without a GPU, the ground truth of validation. The emulator is one.
+
+Search and composition see only these protocols (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from kareus.core import Knobs, Measurement, MeasurementProtocol
+from kareus.execution import ExecutionPlan
 from kareus.hardware import GPUSpec
 from kareus.partition import Partition
 from kareus.workload.ops import Op
 
 
-@dataclass(frozen=True, order=True)
-class Knobs:
-    """The three knobs of a partition: SM clock, collective SMs, launch slot (None: no
-    overlap, the collective starts after the partition's last compute op)."""
-
-    freq_mhz: int
-    sms: int
-    slot: str | None
-
-    def label(self) -> str:
-        return f"{self.freq_mhz} MHz, {self.sms} SMs, {self.slot or 'none'}"
-
-
-@dataclass(frozen=True)
-class Measurement:
-    time_s: float
-    energy_j: float
-    static_energy_j: float
-    dynamic_energy_j: float
-    avg_power_w: float
-    effective_freq_mhz: float
-    """Time-weighted mean SM clock actually run (below the set clock when power-throttled)."""
-
-    @classmethod
-    def from_time_energy(cls, time_s: float, energy_j: float, static_power_w: float,
-                         effective_freq_mhz: float) -> Measurement:
-        static = static_power_w * time_s
-        return cls(
-            time_s=time_s,
-            energy_j=energy_j,
-            static_energy_j=static,
-            dynamic_energy_j=energy_j - static,
-            avg_power_w=energy_j / time_s if time_s > 0 else 0.0,
-            effective_freq_mhz=effective_freq_mhz,
-        )
-
-    def __add__(self, other: Measurement) -> Measurement:
-        t = self.time_s + other.time_s
-        e = self.energy_j + other.energy_j
-        s = self.static_energy_j + other.static_energy_j
-        f = ((self.effective_freq_mhz * self.time_s + other.effective_freq_mhz * other.time_s)
-             / t if t > 0 else self.effective_freq_mhz)
-        return Measurement(t, e, s, e - s, e / t if t > 0 else 0.0, f)
-
-    def scaled(self, factor: float) -> Measurement:
-        """This measurement repeated ``factor`` times back to back."""
-        return Measurement(self.time_s * factor, self.energy_j * factor,
-                           self.static_energy_j * factor, self.dynamic_energy_j * factor,
-                           self.avg_power_w, self.effective_freq_mhz)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-ZERO = Measurement(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-
-
-@dataclass(frozen=True)
-class MeasurementProtocol:
-    """How a real GPU is measured; the emulator reports the same so that searches can state
-    their profiling cost (FACTS §4: 5 s window, 5 s cooldown, 2 s settle after a clock
-    change)."""
-
-    window_s: float = 5.0
-    cooldown_s: float = 5.0
-    settle_s: float = 2.0
-
-    def cost_s(self, clock_changed: bool = True) -> float:
-        return self.window_s + self.cooldown_s + (self.settle_s if clock_changed else 0.0)
-
-
 @runtime_checkable
 class Backend(Protocol):
     name: str
-    gpu: GPUSpec
-    static_power_w: float
-    protocol: MeasurementProtocol
+    """"emulator", "nvml", "replay", ..."""
+
+    @property
+    def gpu(self) -> GPUSpec: ...
+
+    @property
+    def static_power_w(self) -> float:
+        """Power of the GPU blocked in communication: static energy = it x time."""
+        ...
+
+    @property
+    def protocol(self) -> MeasurementProtocol:
+        """How one measurement is taken, hence what it costs on a real GPU."""
+        ...
+
+    @property
+    def default_sms(self) -> int:
+        """SMs (CTAs) a collective gets when nothing chooses them (NCCL's own choice)."""
+        ...
 
     @property
     def supported_freqs_mhz(self) -> tuple[int, ...]: ...
+
+    def identity(self) -> str:
+        """What makes two measurements of the same thing comparable (journal key)."""
+        ...
 
     def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
         """One partition: its compute on the compute stream and its collective on the
         communication stream with ``knobs.sms`` SMs, launched before ``knobs.slot``."""
         ...
 
-    def measure_op(self, op: Op, freq_mhz: int) -> Measurement:
-        """One op outside partitions (embedding, LM head, loss, P2P, a solo segment op)."""
+    def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement:
+        """Ops back to back on the compute stream; collectives among them block it and run
+        with ``sms`` SMs (None: `default_sms`)."""
         ...
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Deterministic predictions: the same question always gets the same answer."""
+
+    @property
+    def gpu(self) -> GPUSpec: ...
+
+    def predict(self, partition: Partition, knobs: Knobs) -> Measurement: ...
+
+    def predict_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement: ...
+
+
+def backend_info(backend: Backend) -> dict[str, object]:
+    """What a journal stores of a backend so that a replay can stand in for it."""
+    pr = backend.protocol
+    return {"name": backend.name, "gpu": backend.gpu.name,
+            "static_power_w": backend.static_power_w, "default_sms": backend.default_sms,
+            "protocol": {"window_s": pr.window_s, "cooldown_s": pr.cooldown_s,
+                         "settle_s": pr.settle_s}}
+
+
+class SimulatedIteration(Protocol):
+    @property
+    def time_s(self) -> float: ...
+
+    @property
+    def energy_j(self) -> float: ...
+
+
+class PlanSimulator(Protocol):
+    """Runs a whole plan as one continuous iteration (validation of composed plans)."""
+
+    def run(self, plan: ExecutionPlan, with_instructions: bool = False
+            ) -> SimulatedIteration: ...

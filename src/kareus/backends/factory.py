@@ -1,46 +1,132 @@
-"""Opening a backend by name, as a context manager (a real GPU's clocks are guarded for
-exactly as long as the backend is open)."""
+"""Opening a backend from plain settings (`BackendSpec`), as a context manager: a real
+GPU's clocks are guarded for exactly as long as the backend is open. The spec is plain
+data, so it crosses process boundaries (search workers, Ray tasks) as a dict."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from kareus.backends.base import MeasurementProtocol
+from kareus.backends.base import Backend, CostModel, PlanSimulator
+from kareus.core import MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.spec import JobSpec
+from kareus.workload.ops import Collective
 
-BACKENDS = ("emulator", "nvml")
+BACKENDS = ("emulator", "nvml", "replay")
+PRIORS = ("none", "emulator")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Where measurements come from, and how they are taken."""
+
+    name: str = "emulator"
+    noise: float = 0.0
+    """Emulator: relative standard deviation of time and dynamic energy (0: exact)."""
+    seed: int = 0
+    """Emulator: seed of the noise."""
+    calibration: str | None = None
+    """Emulator: JSON file of fitted parameters."""
+    allow_clock_changes: bool = False
+    """nvml: Kareus may lock SM clocks (always reset on exit)."""
+    gpu_index: int = 0
+    replay_journal: str | None = None
+    """replay: the journal whose measurements are served."""
+    replay_identity: str | None = None
+    """replay: which backend's measurements (needed when the journal holds several)."""
+    protocol: MeasurementProtocol | None = None
+
+    def check(self, job: JobSpec) -> None:
+        """Everything that can be checked before any work starts; SpecError otherwise."""
+        if self.name not in BACKENDS:
+            raise SpecError(f"unknown backend {self.name!r}; available: {', '.join(BACKENDS)}")
+        if not 0 <= self.noise <= 0.5:
+            raise SpecError(f"noise must be between 0 and 0.5, got {self.noise}")
+        if self.gpu_index < 0:
+            raise SpecError(f"--gpu-index must be >= 0, got {self.gpu_index}")
+        if self.name == "nvml" and len(job.freqs_mhz) > 1 and not self.allow_clock_changes:
+            raise SpecError("a search over frequencies on a real GPU needs "
+                            "--allow-clock-changes; without it, pass --freqs with the one "
+                            "clock the GPU runs at")
+        if self.name == "replay":
+            if not self.replay_journal:
+                raise SpecError("the replay backend needs --replay-journal JOURNAL")
+            if not Path(self.replay_journal).is_file():
+                raise SpecError(f"journal not found: {self.replay_journal}")
+        if self.name == "emulator" and self.calibration is not None:
+            from kareus.backends.emulator.params import load_params
+
+            load_params(job.gpu_spec, self.calibration)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> BackendSpec:
+        d = dict(doc)
+        if d.get("protocol") is not None:
+            d["protocol"] = MeasurementProtocol(**d["protocol"])
+        return cls(**d)
 
 
 @contextmanager
-def open_backend(job: JobSpec, name: str = "emulator", *, noise: float = 0.0, seed: int = 0,
-                 calibration: str | Path | None = None, allow_clock_changes: bool = False,
-                 gpu_index: int = 0, protocol: MeasurementProtocol | None = None
-                 ) -> Iterator:
-    if name == "emulator":
+def open_backend(job: JobSpec, spec: BackendSpec | None = None,
+                 collectives: Callable[[Collective, int], Callable[[], object]] | None = None
+                 ) -> Iterator[Backend]:
+    """``collectives``: real GPUs, a factory of the partitions' NCCL collectives (profiling
+    a TP/CP group under torchrun); None runs a single-GPU stand-in."""
+    spec = spec or BackendSpec()
+    if spec.name == "emulator":
         from kareus.backends.emulator import EmulatorBackend
 
-        yield EmulatorBackend(job, calibration=calibration, noise=noise, seed=seed,
-                              protocol=protocol)
+        yield EmulatorBackend(job, calibration=spec.calibration, noise=spec.noise,
+                              seed=spec.seed, protocol=spec.protocol)
         return
-    if name == "nvml":
+    if spec.name == "replay":
+        from kareus.backends.replay import ReplayBackend
+
+        if spec.replay_journal is None:
+            raise SpecError("the replay backend needs --replay-journal JOURNAL")
+        yield ReplayBackend(spec.replay_journal, job, spec.replay_identity)
+        return
+    if spec.name == "nvml":
         from kareus.backends.nvml import NvmlBackend
         from kareus.gpu.clock_guard import ClockGuard
         from kareus.gpu.device import ZeusDevice
 
-        device = ZeusDevice(gpu_index)
-        with ClockGuard(device, allow_changes=allow_clock_changes) as guard:
-            yield NvmlBackend(job, device, guard, protocol=protocol,
-                              torch_device=f"cuda:{gpu_index}")
+        device = ZeusDevice(spec.gpu_index)
+        with ClockGuard(device, allow_changes=spec.allow_clock_changes) as guard:
+            yield NvmlBackend(job, device, guard, protocol=spec.protocol,
+                              torch_device=f"cuda:{spec.gpu_index}", collective=collectives)
         return
-    raise SpecError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+    raise SpecError(f"unknown backend {spec.name!r}; available: {', '.join(BACKENDS)}")
 
 
-def check_frequency_search(backend_name: str, freqs: tuple[int, ...],
-                           allow_clock_changes: bool) -> None:
-    """A real GPU searches several clocks only when it may change them."""
-    if backend_name == "nvml" and len(freqs) > 1 and not allow_clock_changes:
-        raise SpecError("a search over frequencies on a real GPU needs --allow-clock-changes;"
-                        " without it, pass --freqs with the one clock the GPU runs at")
+def nominal_cost_model(job: JobSpec, calibration: str | Path | None = None) -> CostModel:
+    """The emulator with its nominal (or calibrated) constants, without noise: the search
+    prior and, on machines without a GPU, the ground truth of validation."""
+    from kareus.backends.emulator import EmulatorBackend
+
+    return EmulatorBackend(job, calibration=calibration)
+
+
+def open_prior(name: str | None, job: JobSpec) -> CostModel | None:
+    if name in (None, "none"):
+        return None
+    if name == "emulator":
+        return nominal_cost_model(job)
+    raise SpecError(f"unknown prior {name!r}; available: {', '.join(PRIORS)}")
+
+
+def plan_simulator(job: JobSpec, calibration: str | Path | None = None) -> PlanSimulator:
+    """The emulator's whole-iteration simulation, noise-free."""
+    from kareus.backends.emulator import EmulatorBackend
+    from kareus.backends.emulator.iteration import IterationSimulator
+    from kareus.partition import PartitionSet
+
+    return IterationSimulator(PartitionSet.from_job(job),
+                              EmulatorBackend(job, calibration=calibration))

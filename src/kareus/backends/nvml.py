@@ -10,20 +10,33 @@ and the Measurement records which.
 Without --allow-clock-changes no clock is ever touched: the GPU is measured at the clock
 it runs, which NVML reports, and a setting at any other clock is refused.
 
-torch, Zeus and NVML are imported lazily (see kareus.gpu.device, kareus.runtime).
+torch, Zeus and NVML are imported lazily (see kareus.gpu.device, kareus.gpu.kernels).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
-from kareus.backends.base import Knobs, Measurement, MeasurementProtocol
+from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import GPUDevice
+from kareus.gpu.kernels import (
+    Kernel,
+    build_kernel,
+    build_kernels,
+    import_torch,
+    stand_in_collective,
+)
+from kareus.gpu.partition_runner import PartitionRunner
 from kareus.partition import Partition
 from kareus.spec import JobSpec
-from kareus.workload.ops import Op
+from kareus.workload.layer import LayerShapes
+from kareus.workload.ops import Collective, Op
+
+CollectiveFactory = Callable[[Collective, int], Callable[[], object]]
+"""Builds a real collective at an SM count (`kareus.gpu.nccl.NcclCollectives`)."""
 
 
 class NvmlBackend:
@@ -32,7 +45,7 @@ class NvmlBackend:
     def __init__(self, job: JobSpec, device: GPUDevice, guard: ClockGuard | None = None,
                  protocol: MeasurementProtocol | None = None, torch_device: str = "cuda",
                  static_power_w: float | None = None, warmup_runs: int = 3,
-                 min_runs: int = 3, collective=None) -> None:
+                 min_runs: int = 3, collective: CollectiveFactory | None = None) -> None:
         self.job = job
         self.gpu = job.gpu_spec
         self.device = device
@@ -45,9 +58,18 @@ class NvmlBackend:
         self.warmup_runs = warmup_runs
         self.min_runs = min_runs
         self._collective_factory = collective
-        self._runners: dict = {}
-        self._kernels: dict = {}
-        self._collectives: dict = {}
+        self._runners: dict[tuple[str, int, str | None], PartitionRunner] = {}
+        self._kernels: dict[str, list[Kernel]] = {}
+        self._collectives: dict[tuple[str, int], Callable[[], object]] = {}
+        self._op_runs: dict[tuple[Op, ...], list[Callable[[], object]]] = {}
+
+    def identity(self) -> str:
+        """``nvml:<GPU>``, plus ``:static=<W>W`` when the static power was measured on the
+        spot (its measurements' static and dynamic energies differ from the catalog's)."""
+        parts = [self.name, self.gpu.name]
+        if self.static_power_source != "catalog":
+            parts.append(f"static={self.static_power_w:.1f}W")
+        return ":".join(parts)
 
     def measure_static_power(self, window_s: float | None = None) -> float:
         """Measure static power on the spot: the GPU holding its memory and waiting (as in
@@ -90,31 +112,36 @@ class NvmlBackend:
         runner = self._runner(partition, knobs)
         return self._measure_window(runner.run, runner.synchronize)
 
-    def measure_op(self, op: Op, freq_mhz: int) -> Measurement:
-        from kareus.runtime.kernels import stand_in_collective
-
+    def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement:
+        """Ops back to back on the compute stream: compute ops as their kernels, collectives
+        as the single-GPU stand-in copy, each blocking the stream. The stand-in cannot be
+        pinned to a number of SMs, so ``sms`` changes nothing here."""
         self._ensure_clock(freq_mhz)
-        if op.is_collective:
-            fn = stand_in_collective(op.bytes_, self.torch_device)
-        else:
-            from kareus.runtime.kernels import _kernel, _torch
-            from kareus.workload.layer import LayerShapes
+        fns = self._op_run(tuple(ops))
 
-            torch = _torch()
-            fn = _kernel(torch, op, LayerShapes(self.job), self.torch_device,
-                         torch.bfloat16).run
-        return self._measure_window(fn, self._sync)
+        def run() -> None:
+            for fn in fns:
+                fn()
+
+        return self._measure_window(run, self._sync)
+
+    def _op_run(self, ops: tuple[Op, ...]) -> list[Callable[[], object]]:
+        fns = self._op_runs.get(ops)
+        if fns is None:
+            torch = import_torch()
+            shapes = LayerShapes(self.job)
+            fns = self._op_runs[ops] = [
+                stand_in_collective(op.bytes_, self.torch_device) if isinstance(op, Collective)
+                else build_kernel(op, shapes, self.torch_device, torch.bfloat16).run
+                for op in ops]
+        return fns
 
     def _sync(self) -> None:
         if self.torch_device.startswith("cuda"):
-            import torch
+            import_torch().cuda.synchronize()
 
-            torch.cuda.synchronize()
-
-    def _runner(self, partition: Partition, knobs: Knobs):
-        from kareus.runtime.kernels import build_kernels, stand_in_collective
-        from kareus.runtime.runner import PartitionRunner
-
+    def _runner(self, partition: Partition, knobs: Knobs) -> PartitionRunner:
         key = (partition.key, knobs.sms, knobs.slot)
         if key not in self._runners:
             # kernels depend on the partition only, the collective on its SM count: build
@@ -135,7 +162,8 @@ class NvmlBackend:
                                                  self.torch_device)
         return self._runners[key]
 
-    def _measure_window(self, run, sync) -> Measurement:
+    def _measure_window(self, run: Callable[[], object], sync: Callable[[], None]
+                        ) -> Measurement:
         for _ in range(self.warmup_runs):
             run()
         sync()

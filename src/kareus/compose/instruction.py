@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kareus.execution import PartitionChoice
+from kareus.core import PartitionSetting
 from kareus.pareto import pareto_mask
 
 
@@ -23,7 +23,7 @@ class KeyOption:
 
     time_s: float
     dynamic_energy_j: float
-    choice: PartitionChoice
+    setting: PartitionSetting
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,14 @@ class InstructionOption:
     time_s: float
     dynamic_energy_j: float
     freq_mhz: int
-    knobs: tuple[tuple[str, PartitionChoice], ...] = field(default=())
+    settings: tuple[tuple[str, PartitionSetting], ...] = field(default=())
     """Per partition key, its setting (sorted by key)."""
+    sequential: bool = False
+    """The instruction runs Megatron-style: the microbatch is not split and every
+    collective blocks the compute stream (no partition settings)."""
 
-    def knob_dict(self) -> dict[str, PartitionChoice]:
-        return dict(self.knobs)
+    def setting_dict(self) -> dict[str, PartitionSetting]:
+        return dict(self.settings)
 
 
 def pareto_front(options: Iterable, key=lambda o: (o.time_s, o.dynamic_energy_j)) -> list:
@@ -61,7 +64,7 @@ def combine(fixed_time_s: float, fixed_dynamic_j: float, freq_mhz: int,
         if count == 0:
             continue
         grown = [(t + count * o.time_s, e + count * o.dynamic_energy_j,
-                  (*knobs, (key, o.choice)))
-                 for t, e, knobs in partial for o in options]
+                  (*settings, (key, o.setting)))
+                 for t, e, settings in partial for o in options]
         partial = pareto_front(grown, key=lambda x: (x[0], x[1]))
-    return [InstructionOption(t, e, freq_mhz, knobs) for t, e, knobs in partial]
+    return [InstructionOption(t, e, freq_mhz, settings) for t, e, settings in partial]

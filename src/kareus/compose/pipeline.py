@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kareus.compose.instruction import InstructionOption, pareto_front
+from kareus.core import InstructionId
 from kareus.errors import KareusError
-from kareus.schedule import InstructionId, one_f_one_b, schedule
+from kareus.schedule import one_f_one_b, schedule
 
 
 @dataclass(frozen=True)

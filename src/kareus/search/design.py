@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kareus.backends.base import Knobs
+from kareus.core import Knobs
 from kareus.search.space import KnobSpace
 
 

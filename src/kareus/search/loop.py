@@ -7,15 +7,15 @@ journal are reused, never measured again.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.base import Knobs, Measurement
+from kareus.backends.base import Backend, CostModel, backend_info
+from kareus.core import Knobs, Measurement
 from kareus.errors import SpecError
 from kareus.pareto import hypervolume, pareto_mask
 from kareus.partition import Partition
@@ -23,6 +23,7 @@ from kareus.search.acquisition import Candidates, select_batch
 from kareus.search.design import initial_design
 from kareus.search.space import KnobSpace
 from kareus.search.surrogate import EnsembleSurrogate, SurrogateConfig
+from kareus.store import Journal
 
 STRATEGIES = ("mbo", "random", "exhaustive")
 
@@ -90,11 +91,14 @@ class Sample:
     reused: bool = False
     """Taken from the journal rather than measured by this run."""
 
-    def to_dict(self) -> dict:
-        m = self.measurement
+    def to_dict(self) -> dict[str, Any]:
         return {"freq_mhz": self.knobs.freq_mhz, "sms": self.knobs.sms,
-                "slot": self.knobs.slot, "time_s": m.time_s,
-                "dynamic_energy_j": m.dynamic_energy_j, "energy_j": m.energy_j}
+                "slot": self.knobs.slot, **self.measurement.to_dict(), "reused": self.reused}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Sample:
+        return cls(Knobs(int(doc["freq_mhz"]), int(doc["sms"]), doc["slot"]),
+                   Measurement.from_dict(doc), bool(doc.get("reused", False)))
 
 
 @dataclass
@@ -124,14 +128,18 @@ class SearchResult:
         return frontier_hypervolume(
             [(s.measurement.time_s, s.measurement.dynamic_energy_j) for s in self.samples])
 
-    def to_dict(self) -> dict:
+    @property
+    def reused_from_journal(self) -> int:
+        return sum(s.reused for s in self.samples)
+
+    def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "partition": self.partition,
             "strategy": self.strategy,
             "seed": self.seed,
             "measured_this_run": self.measured_this_run,
-            "reused_from_journal": sum(s.reused for s in self.samples),
+            "reused_from_journal": self.reused_from_journal,
             "stopped": self.stopped,
             "samples": [s.to_dict() for s in self.samples],
             "frontier": [s.to_dict() for s in self.frontier],
@@ -140,6 +148,16 @@ class SearchResult:
                                     for n, hv in self.hv_history],
             "profiling_cost_s": self.profiling_cost_s,
         }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> SearchResult:
+        """The inverse of `to_dict` (results cross process boundaries as dicts)."""
+        return cls(str(doc["partition"]), str(doc["strategy"]), int(doc["seed"]),
+                   [Sample.from_dict(s) for s in doc["samples"]],
+                   [(int(h["samples"]), float(h["hypervolume"]))
+                    for h in doc["hypervolume_history"]],
+                   int(doc["measured_this_run"]), float(doc["profiling_cost_s"]),
+                   str(doc["stopped"]))
 
 
 def frontier_hypervolume(points, worst=None) -> float:
@@ -150,33 +168,27 @@ def frontier_hypervolume(points, worst=None) -> float:
     return hypervolume(pts / np.maximum(scale, 1e-300), (1.1, 1.1))
 
 
-def backend_identity(backend) -> str:
-    """What makes two measurements of the same setting comparable: the backend, its GPU,
-    and (for the emulator) its constants and noise level. The seed is not part of it: a
-    journal's measurements serve any later search, as real measurements would."""
-    parts = [backend.name, backend.gpu.name]
-    if getattr(backend, "static_power_source", "catalog") != "catalog":
-        parts.append(f"static={backend.static_power_w:.1f}W")
-    params = getattr(backend, "params", None)
-    if params is not None:
-        digest = hashlib.sha256(json.dumps(asdict(params), sort_keys=True).encode())
-        parts += [f"noise={getattr(backend, 'noise', 0.0)}", f"params={digest.hexdigest()[:12]}"]
-    return ":".join(parts)
-
-
 class _Recorder:
-    """Measures through the backend, journal first, and keeps the run's samples."""
+    """Measures through the backend, journal first, and keeps the run's samples.
 
-    def __init__(self, partition, backend, journal, jid, backend_id, protocol, budget,
-                 progress):
+    ``record=False``: read the journal but never write it (the other ranks of a TP/CP
+    group profiled under torchrun measure in lockstep with rank 0, which records)."""
+
+    def __init__(self, partition: Partition, backend: Backend, journal: Journal | None,
+                 jid: str, budget: int, progress: Progress | None, record: bool = True
+                 ) -> None:
         self.p = partition
         self.backend = backend
         self.journal = journal
         self.jid = jid
-        self.backend_id = backend_id
-        self.protocol = protocol
+        self.backend_id = backend.identity()
+        self.protocol = backend.protocol
         self.budget = budget
         self.progress = progress
+        self.record = record and journal is not None
+        if self.record:
+            assert journal is not None
+            journal.register_backend(self.backend_id, backend_info(backend))
         self.samples: dict[Knobs, Sample] = {}
         self.measured = 0
         self.cost_s = 0.0
@@ -196,7 +208,8 @@ class _Recorder:
             if k in self.samples:
                 continue
             m = self.backend.measure(self.p, k)
-            if self.journal is not None:
+            if self.record:
+                assert self.journal is not None
                 self.journal.record(self.jid, self.p.key, self.backend_id, k, m)
             self.samples[k] = Sample(k, m)
             self.measured += 1
@@ -206,19 +219,20 @@ class _Recorder:
                 self.progress(len(self.samples), self.budget)
 
 
-def run_search(partition: Partition, backend, freqs_mhz: tuple[int, ...],
-               config: SearchConfig, journal=None, job_id: str = "", prior=None,
-               progress: Progress | None = None) -> SearchResult:
+def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...],
+               config: SearchConfig, journal: Journal | None = None, job_id: str = "",
+               prior: CostModel | None = None, progress: Progress | None = None,
+               record: bool = True) -> SearchResult:
     """Search one partition's knob space on ``backend``.
 
-    ``prior``: an emulator backend whose (noise-free) prediction of every setting informs
-    the surrogates (they learn the ratio measured / predicted) and the initial design.
+    ``prior``: a cost model whose prediction of every setting informs the surrogates (they
+    learn the ratio measured / predicted) and the initial design. ``record=False``: the
+    journal is read (settings it holds are reused) but not written.
     """
     space = KnobSpace(partition, tuple(freqs_mhz), backend.gpu.max_freq_mhz)
     config.check(len(space), prior is not None)
     budget = len(space) if config.strategy == "exhaustive" else min(config.budget, len(space))
-    rec = _Recorder(partition, backend, journal, job_id, backend_identity(backend),
-                    backend.protocol, budget, progress)
+    rec = _Recorder(partition, backend, journal, job_id, budget, progress, record)
     rec.preload(space)
     rng = np.random.default_rng(config.seed)
     history: list[tuple[int, float]] = []
@@ -248,7 +262,8 @@ def _current_hv(rec: _Recorder, worst) -> float:
 
 
 def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
-         rng: np.random.Generator, prior, history: list) -> str:
+         rng: np.random.Generator, prior: CostModel | None,
+         history: list[tuple[int, float]]) -> str:
     static_w = rec.backend.static_power_w
     prior_y = _prior_values(space, prior) if prior is not None else None
     features = space.features
@@ -301,10 +316,10 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
     return "budget"
 
 
-def _prior_values(space: KnobSpace, prior) -> np.ndarray:
+def _prior_values(space: KnobSpace, prior: CostModel) -> np.ndarray:
     rows = []
     for k in space.settings:
-        m = prior.measure_exact(space.partition, k)
+        m = prior.predict(space.partition, k)
         rows.append((max(m.time_s, 1e-12), max(m.dynamic_energy_j, 1e-12)))
     return np.asarray(rows)
 

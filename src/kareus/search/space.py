@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kareus.backends.base import Knobs
+from kareus.core import Knobs
 from kareus.partition import Partition
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +86,15 @@ class Collective:
 
 
 Op = ComputeOp | Collective
+
+
+def ops_signature(ops: Sequence[Op]) -> str:
+    """A stable name for a run of ops: their names and a digest of everything that makes
+    them cost what they cost (kinds, FLOPs, bytes, shapes, groups). Journal key of
+    measurements outside partitions."""
+    names = "+".join(op.name for op in ops)
+    text = json.dumps([op.to_dict() for op in ops], sort_keys=True)
+    return f"{names}#{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)

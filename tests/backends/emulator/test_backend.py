@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kareus.backends.base import Backend, Knobs
+from kareus.backends.base import Backend
+from kareus.core import Knobs
 from kareus.backends.emulator import EmulatorBackend
 from kareus.errors import SpecError
 from kareus.partition import PartitionSet
@@ -26,7 +27,7 @@ def test_time_never_increases_with_clock(k1, key):
     _, ps, b = k1
     p = ps[key]
     clocks = sorted(b.gpu.clock_table_mhz)
-    compute = [b.run_ops(p.compute_ops, f).time_s for f in clocks]
+    compute = [b.predict_ops(p.compute_ops, f).time_s for f in clocks]
     assert all(t2 <= t1 * (1 + 1e-12) for t1, t2 in itertools.pairwise(compute)), key
     for sms in (3, 12, 30):
         times = [b.measure(p, Knobs(f, sms, None)).time_s for f in clocks]
@@ -40,17 +41,17 @@ def test_time_never_increases_with_clock(k1, key):
 
 def test_power_is_capped_at_tdp_by_throttling(k1):
     _, _, b = k1
-    m = b.run_ops((gemm("big", 8192, 8192, 8192),), 1410)
+    m = b.predict_ops((gemm("big", 8192, 8192, 8192),), 1410)
     assert m.avg_power_w <= b.gpu.tdp_w + 1e-6
     assert m.effective_freq_mhz < 1410  # throttled below the set clock
-    low = b.run_ops((gemm("big", 8192, 8192, 8192),), 900)
+    low = b.predict_ops((gemm("big", 8192, 8192, 8192),), 900)
     assert low.effective_freq_mhz == 900
 
 
 def test_more_sms_shorten_a_collective_with_diminishing_returns(k1):
     _, ps, b = k1
     coll = ps["fwd_attn"].collective
-    times = [b.run_ops((coll,), 1410, blocking_sms=n).time_s for n in range(3, 31, 3)]
+    times = [b.predict_ops((coll,), 1410, sms=n).time_s for n in range(3, 31, 3)]
     gains = [t1 - t2 for t1, t2 in itertools.pairwise(times)]
     assert all(g > 0 for g in gains)
     assert all(g2 <= g1 for g1, g2 in itertools.pairwise(gains))
@@ -133,11 +134,11 @@ def test_measure_op_outside_partitions(k1):
     job, ps, b = k1
     last = ps.graph.stages[-1]
     head = next(op for op in last.forward_post if op.name == "lm_head")
-    hi, lo = b.measure_op(head, 1410), b.measure_op(head, 900)
+    hi, lo = b.measure_ops((head,), 1410), b.measure_ops((head,), 900)
     assert lo.time_s > hi.time_s and lo.dynamic_energy_j < hi.dynamic_energy_j
     send = next(op for op in ps.graph.stages[0].forward_post if op.name == "send_activation")
     # the P2P crosses nodes (TP8 fills a node): it runs at the network's speed
-    t = b.measure_op(send, 1410).time_s
+    t = b.measure_ops((send,), 1410).time_s
     assert t == pytest.approx(send.bytes_ / (0.9 * job.gpu_spec.internode_bytes_s), rel=0.05)
 
 

@@ -61,7 +61,7 @@ def _for_gpu(calibration: str | Path | None, gpu: str) -> bool:
 def gemm_anchor(calibration=None) -> list[Anchor]:
     b = _backend("A100-40GB", calibration)
     op = gemm("gemm_8192", 8192, 8192, 8192)
-    m = b.run_ops((op,), 1410)
+    m = b.predict_ops((op,), 1410)
     return [
         Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, throughput", "FACTS §1 (random inputs)",
                "TFLOP/s", 258.0, op.flops / m.time_s / 1e12),
@@ -73,7 +73,7 @@ def gemm_anchor(calibration=None) -> list[Anchor]:
 def memory_anchor(calibration=None) -> list[Anchor]:
     b = _backend("A100-40GB", calibration)
     op = ComputeOp("stream_1GiB", "memory", 0.0, float(1024 * MiB), "other")
-    hi, lo = b.run_ops((op,), 1410), b.run_ops((op,), 900)
+    hi, lo = b.predict_ops((op,), 1410), b.predict_ops((op,), 900)
     return [
         Anchor("A100 memory-bound kernel, time at 900 / at 1410 MHz", "FACTS §2 (flat)",
                "ratio", 1.0, lo.time_s / hi.time_s),
@@ -121,7 +121,7 @@ def nccl_anchor(calibration=None) -> list[Anchor]:
     rs = Collective("rs_32MiB", "reduce_scatter", "tp", 8, float(32 * MiB))
     out = []
     for ctas, published in ((8, 105.0), (16, 181.0), (32, 206.0)):
-        m = b.run_ops((rs,), 1410, blocking_sms=ctas)
+        m = b.predict_ops((rs,), 1410, sms=ctas)
         out.append(Anchor(f"A100 8-GPU ReduceScatter 32 MiB, {ctas} CTAs", "FACTS §3",
                           "GB/s algbw", published, rs.bytes_ / m.time_s / 1e9))
     return out
@@ -130,7 +130,7 @@ def nccl_anchor(calibration=None) -> list[Anchor]:
 def comm_power_anchor(calibration=None) -> list[Anchor]:
     b = _backend("A100-40GB", calibration)
     ar = Collective("ar_96MiB", "all_reduce", "tp", 8, float(96 * MiB))
-    m = b.run_ops((ar,), 1410, blocking_sms=32)
+    m = b.predict_ops((ar,), 1410, sms=32)
     return [Anchor("A100 communication-only power (AllReduce 96 MiB, 32 CTAs)",
                    "FACTS §3 (close to the 85 W static power)", "W", 85.0, m.avg_power_w)]
 
@@ -141,13 +141,13 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
     # 12 x 11 tiles of 128 x 256: exactly 132 CTAs, one wave
     g = gemm("gemm_132_ctas", 12 * 128, 11 * 256, 8192)
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
-    alone = h100.run_ops((g,), 1980)
+    alone = h100.predict_ops((g,), 1980)
     gemm_time = _compute_stream_time(h100, (g,), ag, 24)
     out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "FACTS §3",
                       "x", 2.0, gemm_time / alone.time_s))
     h200 = _backend("H200", calibration)
     g = gemm("gemm_8192x3072x3072", 8192, 3072, 3072)
-    alone = h200.run_ops((g,), 1980).time_s
+    alone = h200.predict_ops((g,), 1980).time_s
     sr = Collective("sendrecv", "send_recv", "pp", 2, float(256 * MiB))
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
     for name, coll, ctas, published in (("SendRecv (8 CTAs)", sr, 8, 1.155),
@@ -166,7 +166,7 @@ def _compute_stream_time(b: EmulatorBackend, ops, coll: Collective, sms: int) ->
 
 def hopper_clock_anchor(calibration=None) -> list[Anchor]:
     b = _backend("H200", calibration)
-    m = b.run_ops((gemm("gemm_8192", 8192, 8192, 8192),), 1830)
+    m = b.predict_ops((gemm("gemm_8192", 8192, 8192, 8192),), 1830)
     return [Anchor("H200 GEMM at a locked 1830 MHz, sustained clock at 700 W", "FACTS §1",
                    "MHz", 1500.0, m.effective_freq_mhz)]
 

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from kareus.backends.base import Knobs, Measurement, MeasurementProtocol
 from kareus.backends.emulator.params import EmulatorParams, load_params
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.backends.emulator.timeline import RunResult, Timeline
+from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.hardware import GPUSpec, get_gpu
 from kareus.partition import Partition
 from kareus.spec import JobSpec
-from kareus.workload.ops import Op
+from kareus.workload.ops import Op, ops_signature
 
 
 def internode_groups(job: JobSpec) -> frozenset[str]:
@@ -31,7 +33,8 @@ def internode_groups(job: JobSpec) -> frozenset[str]:
 
 
 class EmulatorBackend:
-    """Deterministic for a seed; ``noise`` adds that relative standard deviation to the time
+    """A `Backend` and a `CostModel` (kareus.backends.base). As a backend it is
+    deterministic for a seed; ``noise`` adds that relative standard deviation to the time
     and to the dynamic energy of every measurement (0: exact).
 
     The noise of a measurement depends on (seed, what is measured, how many times this
@@ -60,11 +63,11 @@ class EmulatorBackend:
         self.seed = seed
         self._repeats: dict[str, int] = {}
         self.protocol = protocol or MeasurementProtocol()
-        self.static_power_w = self.gpu.static_power_w
+        self.static_power_w: float = self.gpu.static_power_w
         self.physics = GPUPhysics(self.gpu, self.params)
         groups = internode_groups(job) if job is not None else frozenset()
         self.timeline = Timeline(self.physics, self.static_power_w, self.gpu.tdp_w, groups)
-        self._cache: dict = {}
+        self._cache: dict[tuple[object, ...], Measurement] = {}
 
     @property
     def supported_freqs_mhz(self) -> tuple[int, ...]:
@@ -74,18 +77,26 @@ class EmulatorBackend:
     def default_sms(self) -> int:
         return self.params.default_comm_sms
 
+    def identity(self) -> str:
+        """The GPU, the constants and the noise level; not the seed: a journal's
+        measurements serve any later search, as real measurements would."""
+        digest = hashlib.sha256(json.dumps(asdict(self.params), sort_keys=True).encode())
+        return f"{self.name}:{self.gpu.name}:noise={self.noise}:params={digest.hexdigest()[:12]}"
+
     # Backend protocol ----------------------------------------------------------------------
 
     def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
-        exact = self.measure_exact(partition, knobs)
+        exact = self.predict(partition, knobs)
         return self._noisy(exact, f"{partition.key}|{knobs.freq_mhz}|{knobs.sms}|{knobs.slot}")
 
-    def measure_op(self, op: Op, freq_mhz: int) -> Measurement:
-        return self._noisy(self.run_ops((op,), freq_mhz), f"{op.name}|{freq_mhz}")
+    def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement:
+        exact = self.predict_ops(ops, freq_mhz, sms)
+        return self._noisy(exact, f"{ops_signature(ops)}|{freq_mhz}|{sms or self.default_sms}")
 
-    # Exact (noise-free) measurements, cached -------------------------------------------------
+    # CostModel protocol: exact (noise-free) predictions, cached ------------------------------
 
-    def measure_exact(self, partition: Partition, knobs: Knobs) -> Measurement:
+    def predict(self, partition: Partition, knobs: Knobs) -> Measurement:
         self.check_knobs(knobs)
         launch = partition.launch_index(knobs.slot)
         key = ("p", partition.compute_ops, partition.collective, knobs.freq_mhz, knobs.sms,
@@ -98,11 +109,11 @@ class EmulatorBackend:
             hit = self._cache[key] = self._to_measurement(r)
         return hit
 
-    def run_ops(self, ops: Sequence[Op], freq_mhz: int, blocking_sms: int | None = None
-                ) -> Measurement:
+    def predict_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement:
         """Ops back to back on the compute stream; collectives among them block it."""
         self.gpu.check_freq(freq_mhz)
-        sms = blocking_sms or self.default_sms
+        sms = sms or self.default_sms
         key = ("s", tuple(ops), freq_mhz, sms)
         hit = self._cache.get(key)
         if hit is None:

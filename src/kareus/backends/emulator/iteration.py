@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.base import ZERO, Knobs, Measurement
 from kareus.backends.emulator.backend import EmulatorBackend
+from kareus.core import ZERO, Knobs, Measurement
 from kareus.execution import ExecutionPlan
 from kareus.partition import PartitionSet
 from kareus.schedule import one_f_one_b, schedule
@@ -104,8 +104,7 @@ class IterationSimulator:
         out = []
         for k in sorted(keys):
             c = plan.choice(k, freq_mhz, self.backend.default_sms, iid)
-            slot = self.ps[k].slots[0].name if c.slot == "first" else c.slot
-            out.append((k, c.sms, slot))
+            out.append((k, c.sms, self.ps[k].resolve_slot(c.slot)))
         return tuple(out)
 
     def _overlapped(self, stage: int, direction: str, freq_mhz: int, knobs: tuple,
@@ -116,9 +115,9 @@ class IterationSimulator:
         for step in self.ps.layouts[(stage, direction)].steps:
             if step.kind == "partition":
                 sms, slot = chosen[step.key]
-                total = total + b.measure_exact(self.ps[step.key], Knobs(freq_mhz, sms, slot))
+                total = total + b.predict(self.ps[step.key], Knobs(freq_mhz, sms, slot))
             else:
-                total = total + b.run_ops(step.ops, freq_mhz, default_sms)
+                total = total + b.predict_ops(step.ops, freq_mhz, default_sms)
         return total
 
     def _sequential(self, stage: int, direction: str, freq_mhz: int) -> Measurement:
@@ -131,12 +130,13 @@ class IterationSimulator:
         g: StageGraph = self.ps.graph.stages[stage]
         b = self.backend
         if direction == "forward":
-            layer = b.run_ops(fwd, freq_mhz)
-            pre, post = b.run_ops(g.forward_pre, freq_mhz), b.run_ops(g.forward_post, freq_mhz)
+            layer = b.predict_ops(fwd, freq_mhz)
+            pre = b.predict_ops(g.forward_pre, freq_mhz)
+            post = b.predict_ops(g.forward_post, freq_mhz)
         else:
-            layer = b.run_ops((*fwd, *bwd) if self.job.recompute else bwd, freq_mhz)
-            pre = b.run_ops(g.backward_pre, freq_mhz)
-            post = b.run_ops(g.backward_post, freq_mhz)
+            layer = b.predict_ops((*fwd, *bwd) if self.job.recompute else bwd, freq_mhz)
+            pre = b.predict_ops(g.backward_pre, freq_mhz)
+            post = b.predict_ops(g.backward_post, freq_mhz)
         return pre + layer.scaled(g.num_layers) + post
 
     # The pipeline ---------------------------------------------------------------------------
@@ -147,10 +147,10 @@ class IterationSimulator:
         stages = self.ps.graph.stages
         # Transfers between stages: their time delays the receiver; their (small) dynamic
         # energy is the sender's.
-        sends = {s.index: {op.name: b.run_ops((op,), plan.default_freq_mhz)
+        sends = {s.index: {op.name: b.predict_ops((op,), plan.default_freq_mhz)
                            for op in (*s.forward_post, *s.backward_post)
                            if op.is_collective and op.group == "pp"} for s in stages}
-        ends = [b.run_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
+        ends = [b.predict_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
                 for g in stages]
         costs: dict = {}
 

@@ -1,13 +1,13 @@
 """The job options every `kareus` command shares, injected by one decorator."""
 
-import functools
-import inspect
 from typing import Annotated, Any, Optional
 
 import typer
 
+from kareus.cli.options import injects
 from kareus.errors import SpecError
 from kareus.sources import build_job
+from kareus.spec import JobSpec
 
 _PANEL = "Job"
 
@@ -71,7 +71,7 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def job_from_options(values: dict[str, Any]):
+def job_from_options(values: dict[str, Any]) -> JobSpec:
     overrides: dict[str, Any] = {}
     for name, _annotation, field in _JOB_OPTIONS:
         value = values.get(name)
@@ -83,19 +83,5 @@ def job_from_options(values: dict[str, Any]):
     return build_job(values.get("preset"), values.get("config"), overrides)
 
 
-def with_job(func):
-    """Give a command the shared job options; it receives the validated JobSpec as `job`."""
-    sig = inspect.signature(func)
-    own = [p for p in sig.parameters.values() if p.name != "job"]
-    extra = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ann)
-        for name, ann, _ in _JOB_OPTIONS
-    ]
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        values = {name: kwargs.pop(name, None) for name, _, _ in _JOB_OPTIONS}
-        return func(*args, job=job_from_options(values), **kwargs)
-
-    wrapper.__signature__ = sig.replace(parameters=own + extra)
-    return wrapper
+with_job = injects("job", [(name, ann, None) for name, ann, _ in _JOB_OPTIONS], job_from_options)
+"""Give a command the shared job options; it receives the validated JobSpec as `job`."""

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kareus.gpu.kernels import import_torch
 from kareus.workload.ops import Collective
 
 
 class NcclCollectives:
+    """``collectives(coll, sms)`` builds a callable running ``coll`` on the group for
+    ``sms`` SMs; ``collectives.group(sms)`` is that group (for the runtime layer's
+    ``groups_by_sms``)."""
+
     def __init__(self, device: str) -> None:
-        import torch
+        torch = import_torch()
         import torch.distributed as dist
 
         self.torch, self.dist, self.device = torch, dist, device
         self._groups: dict[int, object] = {}
 
-    def group(self, sms: int):
+    def group(self, sms: int) -> object:
+        """The process group (all ranks) whose NCCL communicator uses ``sms`` CTAs."""
         if sms not in self._groups:
             dist = self.dist
             opts = dist.ProcessGroupNCCL.Options()

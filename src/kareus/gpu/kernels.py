@@ -8,18 +8,25 @@ the fused attention forward and backward through autograd (flash attention needs
 forward's statistics), so it does about 3.5x the forward's work where the graph counts
 2.5x: a documented overestimate of one kernel.
 
-torch is imported lazily; on the "meta" device nothing is computed, only shapes.
+torch is imported lazily (`import_torch`); on the "meta" device nothing is computed, only
+shapes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
+from kareus.errors import KareusError
 from kareus.partition import Partition
 from kareus.spec import JobSpec
 from kareus.workload.layer import LayerShapes
 from kareus.workload.ops import ComputeOp
+
+if TYPE_CHECKING:
+    import torch as torch_types
 
 
 @dataclass
@@ -31,65 +38,82 @@ class Kernel:
     """Shapes of the kernel's main inputs (GEMMs: each (m, k) x (k, n))."""
 
 
-def _torch():
+def import_torch() -> ModuleType:
+    """PyTorch, or a one-line error saying how to install it."""
     try:
         import torch
     except ImportError:
-        from kareus.errors import KareusError
-
         raise KareusError("real kernels need PyTorch: pip install 'kareus[gpu]'") from None
     return torch
 
 
 def build_kernels(partition: Partition, job: JobSpec, device: str = "cpu",
                   dtype_name: str = "bfloat16") -> list[Kernel]:
-    torch = _torch()
+    """The partition's compute ops as kernels, in order."""
+    torch = import_torch()
     dtype = getattr(torch, dtype_name)
     sh = LayerShapes(job)
-    return [_kernel(torch, op, sh, device, dtype) for op in partition.compute_ops]
+    return [build_kernel(op, sh, device, dtype) for op in partition.compute_ops]
 
 
-def _kernel(torch, op: ComputeOp, sh: LayerShapes, device: str, dtype) -> Kernel:
-    def new(*shape):
+def build_kernel(op: ComputeOp, shapes: LayerShapes, device: str,
+                 dtype: torch_types.dtype) -> Kernel:
+    """One compute op as a kernel on ``device``, its inputs allocated once (random)."""
+    torch = import_torch()
+
+    def new(*shape: int) -> torch_types.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
     if op.kind == "gemm":
-        pairs = [(new(m, k), new(k, n)) for m, n, k in op.gemm_shapes]
-
-        def run_gemm(pairs=pairs):
-            return [a @ b for a, b in pairs]
-
-        shapes = tuple(s for a, b in pairs for s in (tuple(a.shape), tuple(b.shape)))
-        return Kernel(op.name, "gemm", run_gemm, shapes)
-
+        return _gemm(op, new)
     if op.kind == "attention":
-        b, d = sh.b, sh.d
-        q = new(b, sh.heads, sh.s_local, d)
-        k = new(b, sh.kv_heads, sh.s_full, d)
-        v = new(b, sh.kv_heads, sh.s_full, d)
-        causal = sh.s_local == sh.s_full  # with CP the local queries see a longer history
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        gqa = sh.heads != sh.kv_heads
+        return _attention(op, shapes, new, device)
+    return _memory_bound(op, shapes, new)
 
-        if op.name.endswith("_bwd"):
-            qg, kg, vg = (t.detach().requires_grad_(device != "meta") for t in (q, k, v))
 
-            def run_attn_bwd():
-                out = sdpa(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
-                if out.requires_grad:
-                    out.backward(torch.ones_like(out))
-                return out
+_New = Callable[..., "torch_types.Tensor"]
 
-            return Kernel(op.name, "attention", run_attn_bwd,
-                          (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
 
-        def run_attn():
-            return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+def _gemm(op: ComputeOp, new: _New) -> Kernel:
+    pairs = [(new(m, k), new(k, n)) for m, n, k in op.gemm_shapes]
 
-        return Kernel(op.name, "attention", run_attn,
-                      (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    def run_gemm() -> object:
+        return [a @ b for a, b in pairs]
 
-    # memory-bound
+    shapes = tuple(s for a, b in pairs for s in (tuple(a.shape), tuple(b.shape)))
+    return Kernel(op.name, "gemm", run_gemm, shapes)
+
+
+def _attention(op: ComputeOp, sh: LayerShapes, new: _New, device: str) -> Kernel:
+    torch = import_torch()
+    b, d = sh.b, sh.d
+    q = new(b, sh.heads, sh.s_local, d)
+    k = new(b, sh.kv_heads, sh.s_full, d)
+    v = new(b, sh.kv_heads, sh.s_full, d)
+    causal = sh.s_local == sh.s_full  # with CP the local queries see a longer history
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = sh.heads != sh.kv_heads
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+
+    if op.name.endswith("_bwd"):
+        qg, kg, vg = (t.detach().requires_grad_(device != "meta") for t in (q, k, v))
+
+        def run_attn_bwd() -> object:
+            out = sdpa(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            return out
+
+        return Kernel(op.name, "attention", run_attn_bwd, shapes)
+
+    def run_attn() -> object:
+        return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    return Kernel(op.name, "attention", run_attn, shapes)
+
+
+def _memory_bound(op: ComputeOp, sh: LayerShapes, new: _New) -> Kernel:
+    torch = import_torch()
     tokens, h = sh.norm_tokens, sh.h
     name = op.name
     if name.startswith("residual") and not name.endswith("_bwd"):
@@ -98,20 +122,20 @@ def _kernel(torch, op: ComputeOp, sh: LayerShapes, device: str, dtype) -> Kernel
     if name.endswith("norm") and not name.endswith("_bwd"):
         width = sh.d if name == "qk_norm" else h
         rows = (sh.tokens * (sh.heads + sh.kv_heads)) if name == "qk_norm" else tokens
-        x, w = new(rows, width), new(width)
+        xn, w = new(rows, width), new(width)
 
-        def rmsnorm():
-            return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(
-                x.dtype) * w
+        def rmsnorm() -> object:
+            return xn * torch.rsqrt(xn.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(
+                xn.dtype) * w
 
         return Kernel(name, "memory", rmsnorm, ((rows, width),))
     if name == "rope":
         rows = sh.tokens * (sh.heads + sh.kv_heads)
-        x = new(rows, sh.d)
+        xr = new(rows, sh.d)
         cos, sin = new(rows, sh.d // 2), new(rows, sh.d // 2)
 
-        def rotary():
-            x1, x2 = x[:, : sh.d // 2], x[:, sh.d // 2:]
+        def rotary() -> object:
+            x1, x2 = xr[:, : sh.d // 2], xr[:, sh.d // 2:]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
         return Kernel(name, "memory", rotary, ((rows, sh.d),))
@@ -132,7 +156,7 @@ def stand_in_collective(nbytes: float, device: str = "cpu", dtype_name: str = "b
     (a copy of nbytes/2 in, nbytes/2 out). It does not reproduce the link, and plain
     PyTorch cannot pin a copy to a number of thread blocks: the SM setting only matters
     for the real NCCL collective (multi-GPU)."""
-    torch = _torch()
+    torch = import_torch()
     dtype = getattr(torch, dtype_name)
     n = max(1, int(nbytes // 2 // 2))
     src = torch.empty(n, device=device, dtype=dtype)

@@ -5,8 +5,9 @@ On the CPU the collective simply runs in sequence at the launch point."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from kareus.runtime.kernels import Kernel
+from kareus.gpu.kernels import Kernel, import_torch
 
 
 class PartitionRunner:
@@ -17,10 +18,8 @@ class PartitionRunner:
         self.launch_index = launch_index
         self.cuda = device.startswith("cuda")
         if self.cuda:
-            import torch
-
-            self._torch = torch
-            self.comm_stream = torch.cuda.Stream(device=device)
+            self._torch = import_torch()
+            self.comm_stream = self._torch.cuda.Stream(device=device)
 
     def run(self) -> None:
         if not self.cuda:
@@ -43,7 +42,7 @@ class PartitionRunner:
         done.record(self.comm_stream)
         compute.wait_event(done)
 
-    def _launch(self, compute) -> None:
+    def _launch(self, compute: Any) -> None:
         torch = self._torch
         ready = torch.cuda.Event()
         ready.record(compute)

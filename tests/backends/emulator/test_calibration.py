@@ -4,10 +4,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.backends.base import MeasurementProtocol
+from kareus.core import MeasurementProtocol
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.nvml import NvmlBackend
-from kareus.gpu.calibration import (
+from kareus.backends.emulator.calibration import (
     fit_params,
     measure_and_compare,
     write_calibration,

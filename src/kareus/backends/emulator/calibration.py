@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.base import Knobs, Measurement
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.base import Backend
+from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.params import EmulatorParams
+from kareus.core import Knobs, Measurement
 from kareus.partition import PartitionSet
 from kareus.spec import JobSpec
 
@@ -62,7 +63,7 @@ def calibration_set(ps: PartitionSet, freq_mhz: int) -> list[tuple[str, str, obj
     return items
 
 
-def measure_and_compare(job: JobSpec, real_backend, freq_mhz: int,
+def measure_and_compare(job: JobSpec, real_backend: Backend, freq_mhz: int,
                         emulator: EmulatorBackend | None = None) -> list[CalibrationRow]:
     ps = PartitionSet.from_job(job)
     emu = emulator or EmulatorBackend(job)
@@ -70,9 +71,10 @@ def measure_and_compare(job: JobSpec, real_backend, freq_mhz: int,
     for label, kind, what in calibration_set(ps, freq_mhz):
         if kind == "partition":
             p, knobs = what
-            real, sim = real_backend.measure(p, knobs), emu.measure_exact(p, knobs)
+            real, sim = real_backend.measure(p, knobs), emu.predict(p, knobs)
         else:
-            real, sim = real_backend.measure_op(what, freq_mhz), emu.run_ops((what,), freq_mhz)
+            real = real_backend.measure_ops((what,), freq_mhz)
+            sim = emu.predict_ops((what,), freq_mhz)
         rows.append(CalibrationRow(label, kind, real, sim))
     return rows
 

@@ -1,0 +1,79 @@
+"""A Backend that measures each thing once: journal first, then use.
+
+Composition asks for the same instruction steps many times (every method, every clock).
+This wrapper answers from the journal when it holds the measurement, and otherwise
+measures through the wrapped backend, records the result (committed) and only then
+returns it: nothing measured is lost, and every later question gets the same number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kareus.backends.base import Backend, backend_info
+from kareus.core import Knobs, Measurement, MeasurementProtocol
+from kareus.hardware import GPUSpec
+from kareus.partition import Partition
+from kareus.store import Journal
+from kareus.workload.ops import Op, ops_signature
+
+
+class JournaledBackend:
+    """``inner``'s measurements, through ``journal`` under job ``job_id``."""
+
+    def __init__(self, inner: Backend, journal: Journal, job_id: str) -> None:
+        self.inner = inner
+        self.journal = journal
+        self.job_id = job_id
+        self.name = inner.name
+        self._identity = inner.identity()
+        journal.register_backend(self._identity, backend_info(inner))
+        self._partitions = journal.partition_samples(job_id, self._identity)
+        self._ops = journal.op_samples(job_id, self._identity)
+        self.measured = 0
+        """Measurements taken (not found in the journal) by this wrapper."""
+
+    @property
+    def gpu(self) -> GPUSpec:
+        return self.inner.gpu
+
+    @property
+    def static_power_w(self) -> float:
+        return self.inner.static_power_w
+
+    @property
+    def protocol(self) -> MeasurementProtocol:
+        return self.inner.protocol
+
+    @property
+    def default_sms(self) -> int:
+        return self.inner.default_sms
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[int, ...]:
+        return self.inner.supported_freqs_mhz
+
+    def identity(self) -> str:
+        return self._identity
+
+    def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
+        key = (partition.key, knobs)
+        hit = self._partitions.get(key)
+        if hit is None:
+            hit = self.inner.measure(partition, knobs)
+            self.journal.record(self.job_id, partition.key, self._identity, knobs, hit)
+            self._partitions[key] = hit
+            self.measured += 1
+        return hit
+
+    def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement:
+        n = sms or self.default_sms
+        key = (ops_signature(ops), freq_mhz, n)
+        hit = self._ops.get(key)
+        if hit is None:
+            hit = self.inner.measure_ops(ops, freq_mhz, n)
+            self.journal.record_ops(self.job_id, key[0], self._identity, freq_mhz, n, hit)
+            self._ops[key] = hit
+            self.measured += 1
+        return hit

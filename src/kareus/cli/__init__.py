@@ -1,0 +1,74 @@
+"""The `kareus` command: a package of thin commands over the library.
+
+One module per group of commands; option groups are declared once (kareus.cli.job,
+kareus.cli.options); every check lives in the library, which raises KareusError, and
+`main` turns it into one line on stderr and exit status 2.
+"""
+
+
+import sys
+from typing import Annotated, Any, NoReturn, Optional
+
+import typer
+
+from kareus import __version__
+from kareus.cli import calibrate, gpu, inspect, measure, optimize, plan, search  # noqa: F401
+from kareus.cli.app import app
+from kareus.errors import KareusError
+
+__all__ = ["app", "main"]
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
+) -> None:
+    if version:
+        sys.stdout.write(f"kareus {__version__}\n")
+        raise typer.Exit(0)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: user errors become one line on stderr and exit status 2."""
+    try:
+        rv: Any = app(args=argv, prog_name="kareus", standalone_mode=False)
+    except KareusError as exc:
+        _fail(str(exc))
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except _USAGE_ERRORS as exc:
+        _fail(exc.format_message())
+    except (typer.Abort, KeyboardInterrupt):
+        sys.stderr.write("kareus: interrupted\n")
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _usage_error_types() -> tuple[type[Exception], ...]:
+    # Typer bundles its own click since 0.2x; older releases raise click's exceptions.
+    types: list[type[Exception]] = []
+    try:
+        from typer.exceptions import TyperException  # type: ignore[attr-defined]
+
+        types.append(TyperException)
+    except ImportError:
+        pass
+    try:
+        from click import ClickException
+
+        types.append(ClickException)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_USAGE_ERRORS: Any = _usage_error_types()
+
+
+def _fail(message: str) -> NoReturn:
+    sys.stderr.write("kareus: error: " + " ".join(message.split()) + "\n")
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

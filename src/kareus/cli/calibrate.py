@@ -1,0 +1,82 @@
+"""`kareus calibrate`: the emulator against public measurements, or against this GPU."""
+
+
+from typing import Annotated, Optional
+
+import typer
+
+from kareus import SCHEMA_VERSION
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator.anchors import all_anchors
+from kareus.backends.emulator.calibration import (
+    fit_params,
+    measure_and_compare,
+    write_calibration,
+)
+from kareus.backends.factory import BackendSpec, open_backend
+from kareus.cli.app import JsonFlag, app, console, print_json, table
+from kareus.cli.options import with_backend
+from kareus.errors import KareusError
+from kareus.sources import build_job
+
+
+@app.command()
+@with_backend()
+def calibrate(
+    backend: BackendSpec,
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", help="nvml: the job whose partitions are measured.")] = "kareus-1",
+    out: Annotated[Optional[str], typer.Option(
+        "--out", help="nvml: write fitted emulator parameters to this JSON file.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Emulator: each public anchor (docs/anchors.md) next to the emulator's value. nvml: a
+    fixed set of partitions and ops measured on this GPU at its current clock, next to the
+    emulator, with fitted corrections written to --out."""
+    if backend.name == "nvml":
+        _calibrate_nvml(preset, out, backend, json_out)
+        return
+    if backend.name != "emulator":
+        raise KareusError(f"calibrate compares the emulator with public anchors or with a "
+                          f"GPU: --backend emulator or nvml, not {backend.name}")
+    anchors = all_anchors(backend.calibration)
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION,
+                    "anchors": [a.to_dict() for a in anchors]})
+        return
+    t = table("Emulator vs public measurements",
+              ("anchor", "unit", "published", "emulated", "error"), left=("anchor",))
+    for a in anchors:
+        t.add_row(a.name, a.unit, f"{a.published:,.3f}", f"{a.emulated:,.3f}",
+                  f"{a.rel_error * 100:+.1f}%")
+    console.print(t)
+
+
+def _calibrate_nvml(preset: str, out: Optional[str], backend: BackendSpec,
+                    json_out: bool) -> None:
+    from kareus.backends.nvml import NvmlBackend  # the gpu extra: imported only here
+
+    job = build_job(preset)
+    with open_backend(job, backend) as real:
+        assert isinstance(real, NvmlBackend)
+        freq = real.device.current_sm_clock_mhz()
+        emu = EmulatorBackend(job, calibration=backend.calibration)
+        rows = measure_and_compare(job, real, freq, emu)
+        params = fit_params(rows, emu.params)
+        source = real.static_power_source
+    if out:
+        write_calibration(out, job, rows, params, source, freq)
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "freq_mhz": freq,
+                    "rows": [r.to_dict() for r in rows], "written": out})
+        return
+    t = table(f"{job.gpu} at {freq} MHz: real vs emulated",
+              ("item", "real ms", "emulated ms", "time err", "real J", "emulated J",
+               "energy err"), left=("item",))
+    for r in rows:
+        t.add_row(r.item, f"{r.real.time_s * 1e3:.3f}", f"{r.emulated.time_s * 1e3:.3f}",
+                  f"{r.time_error * 100:+.1f}%", f"{r.real.energy_j:.3f}",
+                  f"{r.emulated.energy_j:.3f}", f"{r.energy_error * 100:+.1f}%")
+    console.print(t)
+    if out:
+        console.print(f"fitted corrections written to {out} (use --calibration {out})")

@@ -1,0 +1,181 @@
+"""Commands that describe a job, its partitions and the catalogs: partitions, graph,
+presets, gpus."""
+
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from kareus import SCHEMA_VERSION
+from kareus.cli.app import JsonFlag, app, console, print_json
+from kareus.cli.job import with_job
+from kareus.hardware import get_gpu, gpu_names
+from kareus.partition import PartitionSet
+from kareus.presets import JOB_PRESETS, MODEL_PRESETS
+from kareus.sources import build_job
+from kareus.spec import JobSpec
+from kareus.workload.graph import ExecutionGraph
+from kareus.workload.ops import Collective
+
+
+def _gflop(x: float) -> str:
+    return f"{x / 1e9:,.2f}"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.2f}"
+
+
+@app.command()
+@with_job
+def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
+    """List the job's partitions: keys, collectives, launch slots and knob spaces."""
+    ps = PartitionSet.from_job(job)
+    if json_out:
+        print_json(ps.to_dict())
+        return
+    nfreq = len(job.freqs_mhz)
+    table = Table(title=f"Partitions of {job.describe()}")
+    for col in ("key", "dir", "collective", "MiB", "slots", "SMs", "per stage", "settings",
+                "GFLOP"):
+        table.add_column(col, justify="right" if col in {"MiB", "settings", "GFLOP"} else "left")
+    for p in ps.partitions.values():
+        c = p.collective
+        sms = p.sm_choices
+        table.add_row(
+            p.key,
+            p.direction[:3],
+            f"{c.kind} ({c.group}{c.group_size})",
+            _mib(c.bytes_),
+            " ".join(s.name for s in p.slots) + " none",
+            f"{sms[0]}..{sms[-1]} ({len(sms)})",
+            "/".join(map(str, p.count_per_stage)),
+            f"{p.knob_space_size(nfreq):,}",
+            _gflop(p.compute_flops),
+        )
+    console.print(table)
+    console.print(f"{nfreq} search frequencies: {job.freqs_mhz[0]}..{job.freqs_mhz[-1]} MHz")
+
+
+def graph_dict(g: ExecutionGraph) -> dict[str, Any]:
+    job = g.job
+    stages = []
+    for s in g.stages:
+        stages.append({
+            "index": s.index,
+            "num_layers": s.num_layers,
+            "params_per_gpu": s.params,
+            "forward_pre": [op.to_dict() for op in s.forward_pre],
+            "forward_post": [op.to_dict() for op in s.forward_post],
+            "backward_pre": [op.to_dict() for op in s.backward_pre],
+            "backward_post": [op.to_dict() for op in s.backward_post],
+            "iteration_end": [op.to_dict() for op in s.iteration_end],
+            "microbatch_flops": g.stage_microbatch_flops(s),
+            "iteration_flops": g.stage_iteration_flops(s),
+        })
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "job": job.model_dump(mode="json"),
+        "conventions": {
+            "layer_ops": "one nanobatch on one TP/CP rank",
+            "outside_ops": "one microbatch on one rank",
+            "iteration_end": "once per iteration",
+            "flops": "2 per multiply-add; causal attention = half of full",
+            "bytes": "HBM bytes read + written; collectives: nccl-tests size",
+        },
+        "layer": {
+            "forward": [op.to_dict() for op in g.layer_forward],
+            "backward": [op.to_dict() for op in g.layer_backward],
+            "flops_per_microbatch": g.layer_flops,
+        },
+        "stages": stages,
+        "per_gpu_iteration_flops": g.per_gpu_iteration_flops,
+        "iteration_flops_total": g.iteration_flops_total,
+    }
+
+
+@app.command()
+@with_job
+def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
+    """Print the execution graph: per-layer ops with FLOPs and bytes, totals per stage."""
+    g = ExecutionGraph.from_job(job)
+    if json_out:
+        print_json(graph_dict(g))
+        return
+    for title, ops in (("forward", g.layer_forward), ("backward", g.layer_backward)):
+        table = Table(title=f"One layer, {title}, one nanobatch, one rank")
+        for col in ("op", "kind", "GFLOP", "MiB", "shape / group"):
+            table.add_column(col, justify="right" if col in {"GFLOP", "MiB"} else "left")
+        for op in ops:
+            if isinstance(op, Collective):
+                extra = f"{op.group}{op.group_size}"
+            else:
+                extra = " + ".join("x".join(map(str, s)) for s in op.gemm_shapes)
+            table.add_row(op.name, op.kind, _gflop(op.flops), _mib(op.bytes_), extra)
+        console.print(table)
+    lf = g.layer_flops
+    console.print(
+        f"Per layer and microbatch: forward {_gflop(lf['forward'])} GFLOP, recompute "
+        f"{_gflop(lf['recompute'])}, backward {_gflop(lf['backward'])}"
+    )
+    table = Table(title=f"Stages of {job.describe()}")
+    for col in ("stage", "layers", "params/GPU", "TFLOP/microbatch", "TFLOP/iteration"):
+        table.add_column(col, justify="right")
+    for s in g.stages:
+        table.add_row(str(s.index), str(s.num_layers), f"{s.params / 1e6:,.1f} M",
+                      f"{g.stage_microbatch_flops(s) / 1e12:,.2f}",
+                      f"{g.stage_iteration_flops(s) / 1e12:,.2f}")
+    console.print(table)
+    console.print(f"Iteration, all {job.num_gpus} GPUs: {g.iteration_flops_total / 1e15:,.2f} "
+                  f"PFLOP")
+
+
+@app.command()
+def presets(json_out: JsonFlag = False) -> None:
+    """List the named jobs and models."""
+    jobs = {name: build_job(name).describe() for name in JOB_PRESETS}
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "jobs": jobs,
+                    "models": MODEL_PRESETS})
+        return
+    table = Table(title="Job presets")
+    table.add_column("name")
+    table.add_column("job")
+    for name, text in jobs.items():
+        table.add_row(name, text)
+    console.print(table)
+    console.print("Models: " + ", ".join(MODEL_PRESETS))
+
+
+@app.command()
+def gpus(
+    name: Annotated[Optional[str], typer.Argument(help="Show one GPU with sources.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """List the GPU catalog (or one GPU with the source of each constant)."""
+    specs = [get_gpu(name)] if name else [get_gpu(n) for n in gpu_names()]
+    if json_out:
+        out = []
+        for g in specs:
+            d = {k: v for k, v in g.__dict__.items()}
+            d["clock_table_mhz"] = list(g.clock_table_mhz)
+            d["search_freqs_mhz"] = list(g.search_freqs_mhz)
+            out.append(d)
+        print_json({"schema_version": SCHEMA_VERSION, "gpus": out})
+        return
+    table = Table(title="GPU catalog")
+    for col in ("GPU", "SMs", "MHz", "search MHz", "HBM GB/s", "TDP W", "bf16 TFLOP/s",
+                "AR busbw GB/s", "static W"):
+        table.add_column(col, justify="left" if col == "GPU" else "right")
+    for g in specs:
+        table.add_row(g.name, str(g.sm_count), f"{g.min_freq_mhz}..{g.max_freq_mhz}",
+                      f"{g.search_freqs_mhz[-1]}..{g.search_freqs_mhz[0]} "
+                      f"({len(g.search_freqs_mhz)})",
+                      f"{g.hbm_bandwidth_bytes_s / 1e9:,.0f}", f"{g.tdp_w:.0f}",
+                      f"{g.peak_bf16_flops / 1e12:,.0f}",
+                      f"{g.allreduce_busbw_bytes_s / 1e9:,.0f}", f"{g.static_power_w:.0f}")
+    console.print(table)
+    if name:
+        for key, note in specs[0].notes.items():
+            console.print(f"  {key}: {note}")

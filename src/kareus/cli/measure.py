@@ -1,0 +1,133 @@
+"""Commands that measure or simulate on one backend: measure, sweep, simulate, calibrate."""
+
+
+from typing import Annotated, Optional
+
+import typer
+
+from kareus import SCHEMA_VERSION
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.backends.factory import BackendSpec, open_backend
+from kareus.cli.app import (
+    MEASUREMENT_COLUMNS,
+    JsonFlag,
+    app,
+    console,
+    measurement_row,
+    print_json,
+    table,
+)
+from kareus.cli.job import with_job
+from kareus.cli.options import with_backend
+from kareus.core import Knobs
+from kareus.errors import KareusError
+from kareus.methods import get_method
+from kareus.pareto import pareto_mask
+from kareus.partition import PartitionSet
+from kareus.search.loop import SearchConfig, run_search
+from kareus.search.space import KnobSpace
+from kareus.spec import JobSpec
+
+PartitionOpt = Annotated[str, typer.Option("--partition", help="Partition key.")]
+
+
+def _slot_arg(slot: str) -> Optional[str]:
+    return None if slot.lower() in ("none", "") else slot
+
+
+@app.command()
+@with_job
+@with_backend()
+def measure(
+    job: JobSpec,
+    backend: BackendSpec,
+    partition: PartitionOpt,
+    freq: Annotated[int, typer.Option("--freq", help="SM clock in MHz.")],
+    sms: Annotated[int, typer.Option("--sms", help="SMs (CTAs) of the collective.")],
+    slot: Annotated[str, typer.Option(
+        "--slot", help="Launch the collective before this slot; none: no overlap.")] = "none",
+    json_out: JsonFlag = False,
+) -> None:
+    """Measure one partition at one knob setting."""
+    p = PartitionSet.from_job(job)[partition]
+    knobs = Knobs(freq, sms, _slot_arg(slot))
+    p.launch_index(knobs.slot)  # validates the slot
+    backend.check(job)
+    with open_backend(job, backend) as be:
+        m = be.measure(p, knobs)
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
+                    "freq_mhz": knobs.freq_mhz, "sms": knobs.sms, "slot": knobs.slot,
+                    **m.to_dict()})
+        return
+    t = table(f"{p.key} at {knobs.label()}", MEASUREMENT_COLUMNS)
+    t.add_row(*measurement_row(m))
+    console.print(t)
+
+
+@app.command()
+@with_job
+@with_backend()
+def sweep(job: JobSpec, backend: BackendSpec, partition: PartitionOpt,
+          json_out: JsonFlag = False) -> None:
+    """Measure every knob setting of a partition (frequency x SMs x launch slot)."""
+    p = PartitionSet.from_job(job)[partition]
+    backend.check(job)
+    with open_backend(job, backend) as be:
+        result = run_search(p, be, job.freqs_mhz, SearchConfig(strategy="exhaustive"))
+    space = KnobSpace(p, job.freqs_mhz, job.gpu_spec.max_freq_mhz)
+    by_knobs = {s.knobs: s.measurement for s in result.samples}
+    points = [{"freq_mhz": k.freq_mhz, "sms": k.sms, "slot": k.slot,
+               "time_s": by_knobs[k].time_s, "energy_j": by_knobs[k].energy_j,
+               "dynamic_energy_j": by_knobs[k].dynamic_energy_j,
+               "avg_power_w": by_knobs[k].avg_power_w} for k in space.settings]
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
+                    "job": job.model_dump(mode="json"), "points": points})
+        return
+    mask = pareto_mask([(q["time_s"], q["dynamic_energy_j"]) for q in points])
+    front = sorted((q for q, keep in zip(points, mask) if keep), key=lambda q: q["time_s"])
+    t = table(f"{p.key}: {len(points)} settings, {len(front)} on the (time, dynamic energy) "
+              f"frontier", ("MHz", "SMs", "slot", "time ms", "energy J", "dynamic J"))
+    for q in front:
+        t.add_row(str(q["freq_mhz"]), str(q["sms"]), q["slot"] or "none",
+                  f"{q['time_s'] * 1e3:,.3f}", f"{q['energy_j']:,.4f}",
+                  f"{q['dynamic_energy_j']:,.4f}")
+    console.print(t)
+
+
+@app.command()
+@with_job
+@with_backend()
+def simulate(
+    job: JobSpec,
+    backend: BackendSpec,
+    method: Annotated[str, typer.Option(
+        "--method", help="A method with a fixed plan: megatron or nanobatch.")] = "megatron",
+    freq: Annotated[Optional[int], typer.Option(
+        "--freq", help="One SM clock for every instruction (default: max clock).")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Simulate one training iteration of a method on the emulator."""
+    plan = get_method(method).baseline_plan(job, freq)
+    if backend.name != "emulator":
+        raise KareusError(f"simulate runs on the emulator; got --backend {backend.name}")
+    backend.check(job)
+    emulator = EmulatorBackend(job, calibration=backend.calibration)
+    r = IterationSimulator(PartitionSet.from_job(job), emulator).run(plan)
+    static_w = emulator.static_power_w
+    if json_out:
+        print_json({**r.to_dict(), "job": job.model_dump(mode="json"), "method": method})
+        return
+    console.print(f"[bold]{method}[/bold] on {job.describe()}")
+    console.print(
+        f"iteration {r.time_s:,.3f} s, energy {r.energy_j / 1e3:,.2f} kJ over {r.num_gpus} "
+        f"GPUs (static {r.static_energy_j / 1e3:,.2f} kJ, dynamic "
+        f"{r.dynamic_energy_j / 1e3:,.2f} kJ), mean {r.mean_power_per_gpu_w:,.1f} W per GPU")
+    t = table("Per stage (one GPU)", ("stage", "busy s", "idle s", "dynamic kJ", "energy kJ"))
+    for s in r.stages:
+        energy = s.dynamic_energy_j + r.time_s * static_w
+        t.add_row(str(s.index), f"{s.busy_s:,.3f}", f"{r.time_s - s.busy_s:,.3f}",
+                  f"{s.dynamic_energy_j / 1e3:,.3f}", f"{energy / 1e3:,.3f}")
+    console.print(t)

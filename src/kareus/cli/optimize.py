@@ -1,0 +1,96 @@
+"""The main job and the suite comparison: optimize, compare."""
+
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kareus.backends.factory import BackendSpec
+from kareus.cli.app import JsonFlag, app, console, pct, print_json, stderr_console, table
+from kareus.cli.job import with_job
+from kareus.cli.options import with_backend, with_executor
+from kareus.cli.search import progress_bars
+from kareus.compare import run_suite
+from kareus.executors import ExecutorSpec
+from kareus.methods import display_name
+from kareus.optimize import check_optimize
+from kareus.optimize import optimize as run_optimize
+from kareus.partition import PartitionSet
+from kareus.result import OptimizeResult
+from kareus.search.loop import SearchConfig
+from kareus.spec import JobSpec
+
+
+@app.command()
+@with_job
+@with_backend()
+@with_executor()
+def optimize(
+    job: JobSpec,
+    backend: BackendSpec,
+    executor: ExecutorSpec,
+    out: Annotated[str, typer.Option("--out", help="Directory for the result.")],
+    budget: Annotated[int, typer.Option(
+        "--budget", help="Search samples per partition.")] = 100,
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
+    json_out: JsonFlag = False,
+) -> None:
+    """Search every partition, compose the iteration frontiers of every method, write
+    DIR/result.json, DIR/plans/, DIR/frontier.png and DIR/report.md."""
+    config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
+    check_optimize(job, out, config, backend, executor)
+    if json_out:
+        print_json(run_optimize(job, out, config, backend, executor).to_dict())
+        return
+    bar, update = progress_bars(PartitionSet.from_job(job).keys)
+    with bar:
+        result = run_optimize(job, out, config, backend, executor, progress=update,
+                              stage=lambda msg: bar.console.log(msg))
+    _print_frontiers(job, result, out)
+
+
+def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
+    t = table(f"Frontiers of {job.describe()}",
+              ("method", "plans", "fastest s", "its kJ", "least kJ", "its s", "iso-time E",
+               "iso-energy T"), left=("method",))
+    for method, plans in result.plans.items():
+        fast = min(plans, key=lambda p: p.time_s)
+        low = min(plans, key=lambda p: p.energy_j)
+        m = result.metrics.get(method, {})
+        t.add_row(display_name(method), str(len(plans)), f"{fast.time_s:.3f}",
+                  f"{fast.energy_j / 1e3:.2f}", f"{low.energy_j / 1e3:.2f}",
+                  f"{low.time_s:.3f}", pct(m.get("iso_time_energy_reduction")),
+                  pct(m.get("iso_energy_time_reduction")))
+    console.print(t)
+    err = result.validation_max_error
+    check = ("not validated (no cost model for this backend)" if err is None
+             else f"predicted vs simulated within {err * 100:.2f}%")
+    console.print(f"validation: {check}; wrote {out}/result.json, plans/, frontier.png, "
+                  f"report.md")
+
+
+@app.command()
+def compare(
+    out: Annotated[str, typer.Option("--out", help="Directory for the comparison.")],
+    suite: Annotated[str, typer.Option("--suite", help="kareus: the ten paper workloads.")
+                     ] = "kareus",
+    budget: Annotated[int, typer.Option("--budget")] = 100,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of everything random.")] = 0,
+    noise: Annotated[float, typer.Option(
+        "--noise", help="Emulator measurement noise: relative std of time and dynamic "
+                        "energy.")] = 0.0,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", help="Local processes (default: one per partition, up to the "
+                          "CPUs).")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run every preset of a suite through `optimize` and compare the methods."""
+    ExecutorSpec(workers=workers).check()
+    doc = run_suite(suite, out, budget, seed, noise, workers,
+                    log=None if json_out else (lambda m: stderr_console().log(m)))
+    if json_out:
+        print_json(doc)
+        return
+    console.print((Path(out) / "compare.md").read_text())

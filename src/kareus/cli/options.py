@@ -1,0 +1,104 @@
+"""Groups of options declared once and injected into commands by a decorator: the command
+receives one validated object (a JobSpec, a BackendSpec, an ExecutorSpec) instead of a
+dozen parameters."""
+
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any, Optional, TypeVar
+
+import typer
+
+from kareus.backends.factory import BackendSpec
+from kareus.executors import ExecutorSpec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+Option = tuple[str, Any, Any]
+"""(parameter name, annotation, default)."""
+
+
+def injects(param: str, options: list[Option], build: Callable[[dict[str, Any]], Any]
+            ) -> Callable[[F], F]:
+    """Replace the command's parameter ``param`` by ``options``; the command receives
+    ``build(values of the options)`` as ``param``."""
+
+    def decorate(func: F) -> F:
+        sig = inspect.signature(func)
+        own = [p for p in sig.parameters.values() if p.name != param]
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                   annotation=ann) for name, ann, default in options]
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name, default) for name, _, default in options}
+            return func(*args, **{param: build(values)}, **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _opt(*decls: str, help: str, panel: str) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=panel)
+
+
+def with_backend(default: str = "emulator") -> Callable[[F], F]:
+    """The backend options; the command receives ``backend: BackendSpec``."""
+    p = "Backend"
+    options: list[Option] = [
+        ("backend_name", Annotated[str, _opt(
+            "--backend", panel=p, help="Where measurements come from: emulator (no GPU), "
+            "nvml (a real NVIDIA GPU, with the gpu extra) or replay (a journal).")], default),
+        ("noise", Annotated[float, _opt(
+            "--noise", panel=p, help="Emulator measurement noise: relative std of time and "
+            "dynamic energy.")], 0.0),
+        ("seed", Annotated[int, _opt("--seed", panel=p, help="Seed of everything random.")],
+         0),
+        ("calibration", Annotated[Optional[str], _opt(
+            "--calibration", panel=p, help="JSON file of fitted emulator parameters.")], None),
+        ("allow_clock_changes", Annotated[bool, _opt(
+            "--allow-clock-changes", panel=p, help="Real GPUs: let Kareus lock SM clocks "
+            "(always reset on exit). Without it no clock is touched.")], False),
+        ("gpu_index", Annotated[int, _opt("--gpu-index", panel=p, help="Real GPUs: which "
+                                                                      "GPU.")], 0),
+        ("replay_journal", Annotated[Optional[str], _opt(
+            "--replay-journal", panel=p, help="Replay: the journal whose measurements are "
+            "served.")], None),
+        ("replay_identity", Annotated[Optional[str], _opt(
+            "--replay-identity", panel=p, help="Replay: which backend's measurements, when "
+            "the journal holds several.")], None),
+    ]
+
+    def build(v: dict[str, Any]) -> BackendSpec:
+        return BackendSpec(name=v["backend_name"], noise=v["noise"], seed=v["seed"],
+                           calibration=v["calibration"],
+                           allow_clock_changes=v["allow_clock_changes"],
+                           gpu_index=v["gpu_index"], replay_journal=v["replay_journal"],
+                           replay_identity=v["replay_identity"])
+
+    return injects("backend", options, build)
+
+
+def with_executor() -> Callable[[F], F]:
+    """Where searches run; the command receives ``executor: ExecutorSpec``."""
+    p = "Executor"
+    options: list[Option] = [
+        ("executor_name", Annotated[str, _opt("--executor", panel=p,
+                                              help="local (process pool) or ray.")], "local"),
+        ("ray_address", Annotated[Optional[str], _opt(
+            "--ray-address", panel=p, help="Ray cluster address (default: start Ray "
+            "locally).")], None),
+        ("workers", Annotated[Optional[int], _opt(
+            "--workers", panel=p, help="Local processes (default: one per partition, up to "
+            "the CPUs).")], None),
+    ]
+
+    def build(v: dict[str, Any]) -> ExecutorSpec:
+        spec = ExecutorSpec(v["executor_name"], v["workers"], v["ray_address"])
+        spec.check()
+        return spec
+
+    return injects("executor", options, build)

@@ -1,0 +1,67 @@
+"""Choosing and exporting plans from a result directory: plan, plan export."""
+
+
+from typing import Annotated, Optional
+
+import typer
+
+from kareus.cli.app import JsonFlag, app, console, print_json
+from kareus.errors import KareusError
+from kareus.export import export_plan
+from kareus.plan import objective_of, select
+from kareus.resultdir import ResultDir
+
+plan_app = typer.Typer(help="Choose a plan from a result, or export one.")
+app.add_typer(plan_app, name="plan")
+
+ResultOpt = Annotated[str, typer.Option("--result", help="Directory of `kareus optimize`.")]
+
+
+@plan_app.callback(invoke_without_command=True)
+def plan(
+    ctx: typer.Context,
+    result: Annotated[Optional[str], typer.Option(
+        "--result", help="Directory of `kareus optimize`.")] = None,
+    max_throughput: Annotated[bool, typer.Option("--max-throughput")] = False,
+    min_energy: Annotated[bool, typer.Option("--min-energy")] = False,
+    deadline: Annotated[Optional[float], typer.Option(
+        "--deadline", help="Iteration time limit in seconds.")] = None,
+    energy_budget: Annotated[Optional[float], typer.Option(
+        "--energy-budget", help="Iteration energy limit in joules.")] = None,
+    method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = "kareus",
+    json_out: JsonFlag = False,
+) -> None:
+    """Pick the plan that meets a deadline or an energy budget with the least energy (or
+    time), or the fastest / least-energy plan. `kareus plan export` writes one out."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if result is None:
+        raise KareusError("--result DIR is required")
+    objective, value = objective_of(max_throughput, min_energy, deadline, energy_budget)
+    rd = ResultDir(result)
+    point = select(rd.frontier(method), objective, value)
+    p, _job = rd.read_plan(point["plan"])
+    path = rd.plan_file(p.id)
+    if json_out:
+        print_json({**p.to_dict(), "path": str(path), "objective": objective,
+                    "limit": value})
+        return
+    freqs = sorted(set(p.execution.instruction_freqs.values())) or [
+        p.execution.default_freq_mhz]
+    console.print(f"[bold]{p.id}[/bold] ({method}, {objective}"
+                  f"{'' if value is None else f' {value:g}'}): iteration {p.time_s:.4f} s, "
+                  f"{p.energy_j / 1e3:.3f} kJ; clocks {freqs[0]}..{freqs[-1]} MHz; {path}")
+
+
+@plan_app.command("export")
+def plan_export(
+    result: ResultOpt,
+    plan_id: Annotated[str, typer.Option("--plan", help="Plan id, e.g. kareus-012.")],
+    out: Annotated[str, typer.Option("--out", help="File to write.")],
+    fmt: Annotated[str, typer.Option(
+        "--format", help="zeus (frequency schedule for Zeus's server) or json.")] = "json",
+) -> None:
+    """Write a plan as Kareus JSON or as a Zeus pipeline frequency schedule."""
+    p, job = ResultDir(result).read_plan(plan_id)
+    export_plan(p, job, fmt, out)
+    console.print(f"{p.id} written to {out} ({fmt})")

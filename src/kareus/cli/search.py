@@ -1,0 +1,176 @@
+"""Commands that search or profile partitions and read journals: search, profile, journal."""
+
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from kareus import SCHEMA_VERSION
+from kareus.backends.factory import PRIORS, BackendSpec
+from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
+from kareus.cli.job import with_job
+from kareus.cli.options import with_backend, with_executor
+from kareus.core import MeasurementProtocol
+from kareus.errors import KareusError
+from kareus.executors import ExecutorSpec, SearchTask, TaskProgress, make_task, run_tasks
+from kareus.partition import PartitionSet
+from kareus.profile import profile as run_profile
+from kareus.search.loop import SearchConfig, SearchResult
+from kareus.spec import JobSpec
+from kareus.store import Journal
+
+
+def progress_bars(keys: list[str]) -> tuple[Progress, TaskProgress]:
+    """Progress bars, one per partition, on stderr; and the callback that moves them."""
+    bar = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                   console=stderr_console(), transient=False)
+    ids = {k: bar.add_task(k, total=None) for k in keys}
+
+    def update(key: str, done: int, total: int) -> None:
+        bar.update(ids[key], completed=done, total=total)
+
+    return bar, update
+
+
+def run_with_progress(tasks: list[SearchTask], executor: ExecutorSpec, quiet: bool
+                      ) -> list[SearchResult]:
+    if quiet:
+        return run_tasks(tasks, executor)
+    bar, update = progress_bars([t.partition for t in tasks])
+    with bar:
+        return run_tasks(tasks, executor, update)
+
+
+def check_journal(path: Optional[str]) -> None:
+    """An unreadable journal fails before any work starts."""
+    if path is not None:
+        Journal(path).close()
+
+
+@app.command()
+@with_job
+@with_backend()
+@with_executor()
+def search(
+    job: JobSpec,
+    backend: BackendSpec,
+    executor: ExecutorSpec,
+    partition: Annotated[Optional[list[str]], typer.Option(
+        "--partition", help="Partition key (repeatable; default: every partition).")] = None,
+    strategy: Annotated[str, typer.Option(
+        "--strategy", help="mbo (default), random or exhaustive.")] = "mbo",
+    budget: Annotated[int, typer.Option(
+        "--budget", help="Samples per partition, journal samples included.")] = 100,
+    initial: Annotated[Optional[int], typer.Option(
+        "--initial", help="Initial design size (default 20; 10 with a prior).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Settings per batch.")] = 10,
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="Stop when the hypervolume gained less than this fraction over "
+                            "--patience batches (0: spend the budget).")] = 0.002,
+    patience: Annotated[int, typer.Option("--patience", help="Batches for --tolerance.")] = 3,
+    prior: Annotated[str, typer.Option(
+        "--prior", help="none, or emulator: the nominal emulator's predictions inform the "
+                        "search (for real or calibrated backends).")] = "none",
+    journal: Annotated[Optional[str], typer.Option(
+        "--journal", help="SQLite journal: every measurement is stored before use and "
+                          "reused by later searches.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Search partitions' knob spaces for their time-energy frontiers."""
+    ps = PartitionSet.from_job(job)
+    keys = partition or ps.keys
+    config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
+                          initial=initial, batch_size=batch_size, tolerance=tolerance,
+                          patience=patience)
+    if prior not in PRIORS:
+        raise KareusError(f"unknown prior {prior!r}; available: {', '.join(PRIORS)}")
+    for key in keys:  # unknown keys and bad settings fail before any work starts
+        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), prior != "none")
+    backend.check(job)
+    if backend.name == "nvml":
+        from kareus.gpu.device import ZeusDevice
+
+        ZeusDevice(backend.gpu_index)  # no GPU, no Zeus: fail before any work starts
+    check_journal(journal)
+    tasks = [make_task(job, key, config, backend, journal,
+                       None if prior == "none" else prior) for key in keys]
+    results = run_with_progress(tasks, executor, quiet=json_out)
+    if json_out:
+        docs = [r.to_dict() for r in results]
+        print_json(docs[0] if len(docs) == 1 else {
+            "schema_version": SCHEMA_VERSION, "job": job.model_dump(mode="json"),
+            "results": docs})
+        return
+    _print_searches(strategy, job, results)
+
+
+def _print_searches(strategy: str, job: JobSpec, results: list[SearchResult]) -> None:
+    t = table(f"{strategy} search of {job.describe()}",
+              ("partition", "samples", "measured", "reused", "frontier", "hypervolume",
+               "profiling h", "stopped"), left=("partition", "stopped"))
+    for r in results:
+        t.add_row(r.partition, str(len(r.samples)), str(r.measured_this_run),
+                  str(r.reused_from_journal), str(len(r.frontier)), f"{r.hypervolume:.4f}",
+                  f"{r.profiling_cost_s / 3600:.2f}", r.stopped)
+    console.print(t)
+    if len(results) == 1:
+        front = table(f"{results[0].partition}: frontier (time, dynamic energy)",
+                      ("MHz", "SMs", "slot", "time ms", "dynamic J", "energy J"))
+        for s in results[0].frontier:
+            m = s.measurement
+            front.add_row(str(s.knobs.freq_mhz), str(s.knobs.sms), s.knobs.slot or "none",
+                          f"{m.time_s * 1e3:,.3f}", f"{m.dynamic_energy_j:,.4f}",
+                          f"{m.energy_j:,.4f}")
+        console.print(front)
+
+
+@app.command("journal")
+def journal_cmd(
+    path: Annotated[str, typer.Option("--journal", help="SQLite journal to list.")],
+    json_out: JsonFlag = False,
+) -> None:
+    """List what a journal holds: measurements per job, partition and backend."""
+    if not Path(path).exists():
+        raise KareusError(f"journal not found: {path}")
+    with Journal(path) as j:
+        rows: list[dict[str, Any]] = j.summary()
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "journal": path, "entries": rows})
+        return
+    t = table(f"Journal {path}", ("job", "model", "partition", "backend", "measurements"),
+              left=("job", "model", "partition", "backend"))
+    for r in rows:
+        t.add_row(r["job_id"], str(r["model"]), r["partition"], r["backend"],
+                  str(r["measurements"]))
+    console.print(t)
+
+
+@app.command()
+@with_job
+@with_backend(default="nvml")
+def profile(
+    job: JobSpec,
+    backend: BackendSpec,
+    partition: Annotated[list[str], typer.Option(
+        "--partition", help="Partition key (repeatable).")],
+    journal: Annotated[str, typer.Option("--journal", help="SQLite journal (rank 0).")],
+    window: Annotated[float, typer.Option("--window", help="Measurement window, s.")] = 5.0,
+    cooldown: Annotated[float, typer.Option("--cooldown", help="Cooldown, s.")] = 5.0,
+    settle: Annotated[float, typer.Option("--settle", help="Settle after a clock change, "
+                                                           "s.")] = 2.0,
+) -> None:
+    """Measure every setting of the given partitions, journaling each (settings already in
+    the journal are kept, not measured again).
+
+    Real GPUs: run it under torchrun with as many processes as the partition's TP/CP group;
+    every rank runs the kernels and the NCCL collective, rank 0 writes the journal. Without
+    --allow-clock-changes only the GPU's current clock is measured.
+    """
+    spec = replace(backend, protocol=MeasurementProtocol(window, cooldown, settle))
+    check_journal(journal)
+    bar, update = progress_bars(list(partition))
+    with bar:
+        run_profile(job, partition, journal, spec, progress=update)

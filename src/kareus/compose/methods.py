@@ -1,0 +1,29 @@
+"""Every method's iteration frontier, through the method registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kareus.compose.options import Composer, KeyFrontiers
+from kareus.compose.pipeline import PipelinePoint, merge_frontiers, solve_frontier
+from kareus.methods import Method
+
+
+def method_frontiers(composer: Composer, methods: Sequence[Method],
+                     fronts: KeyFrontiers | None,
+                     say: Callable[[str], None] | None = None
+                     ) -> dict[str, list[PipelinePoint]]:
+    """Per method (in order), its frontier of pipeline plans."""
+    costs = composer.pipeline_costs()
+    solved: dict[str, list[PipelinePoint]] = {}
+    for method in methods:
+        if say is not None:
+            say(f"composing {method.name}")
+        points = solve_frontier(composer.options(method, fronts), costs)
+        merged = [solved[m] for m in method.merges if m in solved]
+        if merged:
+            # Phillips-Dessouky follows one path through a non-convex space; the plans
+            # solved in a contained sub-space are this method's plans too: keep the best
+            points = merge_frontiers(points, *merged)
+        solved[method.name] = points
+    return solved

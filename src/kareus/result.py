@@ -1,0 +1,47 @@
+"""What `kareus optimize` produces: per method its plans, the metrics, the searches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kareus import SCHEMA_VERSION
+from kareus.plan import Plan
+from kareus.search.loop import SearchResult
+from kareus.spec import JobSpec
+
+_SEARCH_FIELDS = ("partition", "strategy", "measured_this_run", "reused_from_journal",
+                  "stopped", "hypervolume", "profiling_cost_s")
+
+
+@dataclass
+class OptimizeResult:
+    job: JobSpec
+    plans: dict[str, list[Plan]]
+    """Per method (registry order), the plans of its frontier, fastest first."""
+    searches: list[SearchResult]
+    metrics: dict[str, dict[str, float | None]]
+    validation_max_error: float | None
+    """Largest relative difference between a plan's composed and simulated time or energy;
+    None where no simulation validated the plans."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def frontier_points(self) -> dict[str, list[tuple[float, float]]]:
+        return {m: [(p.time_s, p.energy_j) for p in ps] for m, ps in self.plans.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "job": self.job.model_dump(mode="json"),
+            "methods": {
+                m: {"frontier": [{**{k: v for k, v in p.summary().items()
+                                     if k not in ("id", "method")}, "plan": p.id}
+                                 for p in ps]}
+                for m, ps in self.plans.items()},
+            "metrics": self.metrics,
+            "validation_max_rel_error": self.validation_max_error,
+            "searches": [{k: getattr(s, k) for k in _SEARCH_FIELDS}
+                         | {"samples": len(s.samples), "frontier": len(s.frontier)}
+                         for s in self.searches],
+            "timings_s": self.timings_s,
+        }
