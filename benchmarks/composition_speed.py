@@ -15,9 +15,9 @@ import statistics
 import time
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.compose.build import Composer, key_frontiers
+from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import solve_frontier
+from kareus.methods import get_method
 from kareus.partition import PartitionSet
 from kareus.search import SearchConfig, run_search
 from kareus.sources import build_job
@@ -31,16 +31,14 @@ def main() -> None:
         job = build_job(preset)
         ps = PartitionSet.from_job(job)
         b = EmulatorBackend(job)
-        fronts = key_frontiers({k: run_search(ps[k], b, job.freqs_mhz,
-                                              SearchConfig(budget=40)).to_dict()["samples"]
-                                for k in ps.keys})
+        fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
+            ps[k], b, job.freqs_mhz, SearchConfig(budget=40)).samples] for k in ps.keys})
         for method in ("perseus", "kareus"):
             compose_t, solve_t, n = [], [], 0
             for _ in range(args.repeats):
-                sim = IterationSimulator(ps, EmulatorBackend(job))
                 t0 = time.perf_counter()
-                comp = Composer(ps, sim, job.freqs_mhz)
-                options = comp.options(method, fronts)
+                comp = Composer(ps, EmulatorBackend(job), job.freqs_mhz)
+                options = comp.options(get_method(method), fronts)
                 costs = comp.pipeline_costs()
                 t1 = time.perf_counter()
                 points = solve_frontier(options, costs)

@@ -12,9 +12,9 @@ import argparse
 import statistics
 import time
 
-from kareus.core import Knobs
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.core import Knobs
 from kareus.methods import baseline_plan
 from kareus.partition import PartitionSet
 from kareus.sources import build_job

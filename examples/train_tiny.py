@@ -24,10 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kareus.core import PartitionSetting
 from kareus.execution import ExecutionPlan
-from kareus.partition import PartitionSet
+from kareus.partition import Partition, PartitionSet
 from kareus.runtime.frequency_controller import FrequencyController
-from kareus.runtime.layer import LayerPlan, LlamaLayer, rmsnorm
+from kareus.runtime.layer_plan import LayerPlan
+from kareus.runtime.model import LlamaLayer
+from kareus.runtime.primitives import rmsnorm
 from kareus.sources import build_job
 
 HIDDEN, HEADS, KV, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 128, 97, 2
@@ -62,21 +65,22 @@ class TinyLlama(torch.nn.Module):
         return rmsnorm(x, self.norm) @ self.head
 
 
-def layer_plan(parts, plan_file: str | None) -> tuple[LayerPlan, ExecutionPlan]:
+def layer_plan(parts: dict[str, Partition], plan_file: str | None
+               ) -> tuple[LayerPlan, ExecutionPlan]:
+    """The layers' partition settings (those of the first microbatch's forward) and the
+    plan the frequency controller follows: from a Kareus plan file, or a built-in one."""
     if plan_file:
         from kareus.jsonfile import read_json_object
         from kareus.plan import Plan
 
         p = Plan.from_dict(read_json_object(plan_file, "plan")).execution
-        first = p.instruction_knobs.get((0, 0, "forward"), {})
-        knobs = {k: (c.sms, c.slot if c.slot != "first" else parts[k].slots[0].name)
-                 for k, c in {**p.knobs, **first}.items() if k in parts}
-        return LayerPlan.from_partitions(parts, knobs), p
-    knobs = {k: (12, p.slots[1].name if len(p.slots) > 1 else p.slots[0].name)
-             for k, p in parts.items()}
+        return LayerPlan.from_plan(p, parts), p
+    settings = {k: PartitionSetting(12, p.slots[1].name if len(p.slots) > 1
+                                    else p.slots[0].name)
+                for k, p in parts.items()}
     clocks = {(0, m, d): 1410 - 60 * m - (30 if d == "backward" else 0)
               for m in range(MICROBATCHES) for d in ("forward", "backward")}
-    return (LayerPlan.from_partitions(parts, knobs),
+    return (LayerPlan.from_partitions(parts, settings),
             ExecutionPlan("example", overlap=True, default_freq_mhz=1410,
                           instruction_freqs=clocks))
 

@@ -2,8 +2,9 @@
 
 Measures every partition of kareus-1 (one TP rank's shapes, single-GPU stand-in
 collective) at a few (SMs, slot) settings at the GPU's current clock, and prints real vs
-emulated time and energy with the relative errors; then the partition executor (compute
-stream + side stream) against the same kernels run back to back without overlap. Runs in
+emulated time and energy with the relative errors; then each partition's ops back to back
+(`measure_ops`) against the emulator, and the partition executor (compute stream + side
+stream) against the same kernels run back to back without overlap. Runs in
 well under 8 minutes (2 s windows, 1 s cooldowns).
 
     python scripts/gpu_check.py [--gpu-index 0] [--window 2] [--cooldown 1] [--out FILE.json]
@@ -28,14 +29,14 @@ def main() -> None:
 
     import torch
 
-    from kareus.core import Knobs, MeasurementProtocol
     from kareus.backends.emulator import EmulatorBackend
     from kareus.backends.nvml import NvmlBackend
+    from kareus.core import Knobs, MeasurementProtocol
     from kareus.gpu.clock_guard import ClockGuard
     from kareus.gpu.device import ZeusDevice
+    from kareus.gpu.kernels import build_kernels, stand_in_collective
+    from kareus.gpu.partition_runner import PartitionRunner
     from kareus.partition import PartitionSet
-    from kareus.runtime.kernels import build_kernels, stand_in_collective
-    from kareus.runtime.runner import PartitionRunner
     from kareus.sources import build_job
 
     job = build_job("kareus-1")
@@ -49,17 +50,18 @@ def main() -> None:
         real = NvmlBackend(job, device, guard, protocol=protocol, torch_device=cuda)
         freq = device.current_sm_clock_mhz()
         emu = EmulatorBackend(job)
+        # the emulated GPU's clock nearest in spirit: this one if the catalog has it
+        emu_freq = (min(freq, job.gpu_spec.max_freq_mhz)
+                    if freq in job.gpu_spec.clock_table_mhz else job.gpu_spec.max_freq_mhz)
         print(f"GPU {args.gpu_index}: {device.name}, SM clock {freq} MHz (untouched); "
-              f"emulating {job.gpu}")
+              f"emulating {job.gpu}; backend {real.identity()}")
         print(f"{'partition':<10} {'SMs':>4} {'slot':<10} {'real ms':>9} {'emu ms':>9} "
               f"{'t err':>7} {'real J':>8} {'emu J':>8} {'E err':>7}")
         for p in ps.partitions.values():
             for sms, slot in ((12, p.slots[0].name), (24, p.slots[1].name), (12, None)):
                 k = Knobs(freq, sms, slot)
                 r = real.measure(p, k)
-                e = emu.predict(p, Knobs(min(freq, job.gpu_spec.max_freq_mhz)
-                                               if freq in job.gpu_spec.clock_table_mhz
-                                               else job.gpu_spec.max_freq_mhz, sms, slot))
+                e = emu.predict(p, Knobs(emu_freq, sms, slot))
                 row = {"partition": p.key, "sms": sms, "slot": slot,
                        "real_time_s": r.time_s, "emulated_time_s": e.time_s,
                        "real_energy_j": r.energy_j, "emulated_energy_j": e.energy_j,
@@ -70,6 +72,17 @@ def main() -> None:
                       f"{e.time_s * 1e3:>9.3f} {row['time_rel_error'] * 100:>+6.1f}% "
                       f"{r.energy_j:>8.3f} {e.energy_j:>8.3f} "
                       f"{row['energy_rel_error'] * 100:>+6.1f}%", flush=True)
+
+        print("\nops back to back (measure_ops: each partition without overlap)")
+        ops_rows = []
+        for p in ps.partitions.values():
+            ops = [*p.compute_ops, p.collective]
+            r, e = real.measure_ops(ops, freq), emu.predict_ops(ops, emu_freq)
+            ops_rows.append({"partition": p.key, "real_time_s": r.time_s,
+                             "emulated_time_s": e.time_s, "real_energy_j": r.energy_j,
+                             "emulated_energy_j": e.energy_j})
+            print(f"{p.key:<10} real {r.time_s * 1e3:.3f} ms {r.energy_j:.3f} J, emulated "
+                  f"{e.time_s * 1e3:.3f} ms {e.energy_j:.3f} J", flush=True)
 
         print("\nexecutor overhead: partition runner (no overlap) vs the same kernels back to "
               "back")
@@ -103,7 +116,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"schema_version": 1, "gpu": device.name, "freq_mhz": freq,
-                       "rows": rows, "executor_overhead": overhead}, f, indent=1)
+                       "backend": real.identity(), "rows": rows, "ops": ops_rows,
+                       "executor_overhead": overhead}, f, indent=1)
 
 
 if __name__ == "__main__":

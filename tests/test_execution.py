@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from kareus.errors import SpecError
 from kareus.core import PartitionSetting
+from kareus.errors import SpecError
 from kareus.execution import ExecutionPlan
 from kareus.methods import baseline_plan
 from kareus.sources import build_job

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from kareus.executors import ExecutorSpec
 from kareus.optimize import optimize
 from kareus.search import SearchConfig
 from kareus.sources import build_job
@@ -12,7 +13,8 @@ from tests.conftest import run_cli
 def result(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     job = build_job(request.param)
-    return optimize(job, out, SearchConfig(budget=30, seed=0), workers=2), out
+    return optimize(job, str(out), SearchConfig(budget=30, seed=0),
+                    executor=ExecutorSpec(workers=2)), out
 
 
 def test_every_frontier_plan_matches_the_simulation(result):

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from kareus.errors import KareusError
-from kareus.plan import load_frontier, select
+from kareus.plan import select
+from kareus.resultdir import ResultDir
 
 FRONT = [{"time_s": 4.0, "energy_j": 200.0, "plan": "a"},
          {"time_s": 5.0, "energy_j": 150.0, "plan": "b"},
@@ -39,10 +40,10 @@ def test_infeasible_constraints_state_the_range():
 
 def test_load_frontier_errors(tmp_path):
     with pytest.raises(KareusError, match="not found"):
-        load_frontier(tmp_path, "kareus")
+        ResultDir(tmp_path).frontier("kareus")
     (tmp_path / "result.json").write_text("{broken")
     with pytest.raises(KareusError, match="cannot read"):
-        load_frontier(tmp_path, "kareus")
+        ResultDir(tmp_path).frontier("kareus")
     (tmp_path / "result.json").write_text(json.dumps({"schema_version": 1, "methods": {}}))
     with pytest.raises(KareusError, match="no method 'kareus'"):
-        load_frontier(tmp_path, "kareus")
+        ResultDir(tmp_path).frontier("kareus")

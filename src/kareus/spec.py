@@ -114,6 +114,13 @@ class JobSpec(BaseModel):
                 f"micro_batch_size={self.micro_batch_size} must be even and >= 2 (each "
                 f"microbatch is split into two nanobatches)"
             )
+        self._check_placement()
+        self._check_stages()
+        self._check_knobs(gpu)
+        return self
+
+    def _check_placement(self) -> None:
+        """TP x CP inside a node; DP derived from (or consistent with) the GPU count."""
         total = self.gpus_per_node * self.nodes
         model_parallel = self.tp * self.cp * self.pp
         if self.tp * self.cp > self.gpus_per_node:
@@ -132,6 +139,9 @@ class JobSpec(BaseModel):
                 f"tp x cp x pp x dp = {model_parallel * self.dp} must equal the {total} GPUs "
                 f"({self.nodes} nodes x {self.gpus_per_node})"
             )
+
+    def _check_stages(self) -> None:
+        m = self.model
         if self.pp > m.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the {m.num_layers} layers of {m.name}")
         if self.layers_per_stage is None:
@@ -150,6 +160,8 @@ class JobSpec(BaseModel):
                     f"layers_per_stage {list(self.layers_per_stage)} sums to "
                     f"{sum(self.layers_per_stage)}, but {m.name} has {m.num_layers} layers"
                 )
+
+    def _check_knobs(self, gpu: GPUSpec) -> None:
         for label, choices in (
             ("sm_choices_all_reduce", self.sm_choices_all_reduce),
             ("sm_choices_gather_scatter", self.sm_choices_gather_scatter),
@@ -166,7 +178,6 @@ class JobSpec(BaseModel):
                 raise ValueError("search_freqs_mhz must not be empty")
             for f in self.search_freqs_mhz:
                 gpu.check_freq(f)
-        return self
 
     # Derived quantities used throughout -------------------------------------------------
 

@@ -2,18 +2,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.core import Knobs, MeasurementProtocol
+from kareus.backends.base import Backend
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.nvml import NvmlBackend
+from kareus.core import Knobs, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import FakeDevice
 from kareus.partition import PartitionSet
 from kareus.search import SearchConfig, run_search
-from kareus.search.loop import backend_identity
 from kareus.sources import build_job
 from kareus.store import Journal, job_id
-from tests.runtime.test_kernels import TINY
+from tests.gpu.test_kernels import TINY
 
 FAST = MeasurementProtocol(window_s=0.005, cooldown_s=0.0, settle_s=0.0)
 JOB = build_job(overrides=TINY)
@@ -60,22 +60,37 @@ def test_a_search_on_the_nvml_backend_journals_like_the_emulator(tmp_path):
     assert r.measured_this_run == 12
     em = EmulatorBackend(JOB)
     with Journal(path) as j:
-        rows = j.samples(job_id(JOB), "bwd_mlp", backend_identity(b))
+        rows = j.samples(job_id(JOB), "bwd_mlp", b.identity())
         jid2 = j.register_job(JOB)
         run_search(PS["bwd_mlp"], em, (1410,), cfg, j, jid2)
         summary = {(e["partition"], e["backend"]): e["measurements"] for e in j.summary()}
-    assert len(rows) == 12 and backend_identity(b) == "nvml:A100-40GB"
+    assert len(rows) == 12 and b.identity() == "nvml:A100-40GB"
     assert summary[("bwd_mlp", "nvml:A100-40GB")] == 12
-    assert summary[("bwd_mlp", backend_identity(em))] == 12
+    assert summary[("bwd_mlp", em.identity())] == 12
     assert dev.clock_calls == []
 
 
 def test_static_power_measured_on_the_spot_is_recorded(tmp_path):
     dev = FakeDevice(power_w=90.0)
     b = _backend(dev, False, tmp_path)
-    assert b.static_power_source == "catalog" and backend_identity(b) == "nvml:A100-40GB"
+    assert b.static_power_source == "catalog" and b.identity() == "nvml:A100-40GB"
     assert b.measure_static_power(0.05) == pytest.approx(90.0, rel=0.05)
     assert b.static_power_source == "measured"
-    assert backend_identity(b).startswith("nvml:A100-40GB:static=")
+    assert b.identity().startswith("nvml:A100-40GB:static=")
     m = b.measure(PS["fwd_mlp"], Knobs(1410, 6, None))
     assert m.static_energy_j == pytest.approx(b.static_power_w * m.time_s)
+
+
+def test_is_a_backend_and_measures_runs_of_ops(tmp_path):
+    dev = FakeDevice(power_w=120.0)
+    b = _backend(dev, False, tmp_path)
+    assert isinstance(b, Backend)
+    p = PS["fwd_mlp"]
+    ops = [*p.compute_ops, p.collective]  # the partition without overlap, serially
+    m = b.measure_ops(ops, 1410)
+    assert m.time_s > 0 and m.energy_j == pytest.approx(120.0 * m.time_s, rel=0.3)
+    assert m.effective_freq_mhz == 1410
+    assert b.measure_ops(ops[:1], 1410, sms=8).time_s > 0
+    with pytest.raises(SpecError, match="--allow-clock-changes"):
+        b.measure_ops(ops, 1200)
+    assert dev.clock_calls == []

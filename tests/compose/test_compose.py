@@ -2,11 +2,13 @@ import pytest
 
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.compose.build import Composer, key_frontiers, to_execution_plan
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
+from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
-from kareus.errors import SpecError
+from kareus.compose.plans import to_execution_plan
 from kareus.core import PartitionSetting
+from kareus.errors import SpecError
+from kareus.methods import get_method
 from kareus.partition import PartitionSet
 from kareus.search import SearchConfig, run_search
 from kareus.sources import build_job
@@ -27,7 +29,7 @@ def test_two_partition_combination_by_hand():
     # a1b1 (15, 21) is dominated by a2b2 (15, 20)
     assert [(o.time_s, o.dynamic_energy_j) for o in got] == [(13.0, 24.0), (15.0, 20.0),
                                                               (17.0, 17.0)]
-    assert got[1].knob_dict() == {"a": _c(2), "b": _c(4)}
+    assert got[1].setting_dict() == {"a": _c(2), "b": _c(4)}
     assert all(o.freq_mhz == 1200 for o in got)
 
 
@@ -74,29 +76,29 @@ def k1():
     ps = PartitionSet.from_job(job)
     b = EmulatorBackend(job)
     sim = IterationSimulator(ps, b)
-    fronts = key_frontiers({k: run_search(ps[k], b, job.freqs_mhz, SearchConfig(
-        budget=40)).to_dict()["samples"] for k in ps.keys})
-    return job, ps, sim, Composer(ps, sim, job.freqs_mhz), fronts
+    fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
+        ps[k], b, job.freqs_mhz, SearchConfig(budget=40)).samples] for k in ps.keys})
+    return job, ps, sim, Composer(ps, b, job.freqs_mhz), fronts
 
 
 def test_methods_have_the_right_clocks(k1):
     _job, _ps, _sim, comp, fronts = k1
     for method, n_freq in (("megatron", 1), ("nanobatch", 1), ("perseus", 18),
                            ("nanobatch_perseus", 18), ("kareus_no_freq", 1)):
-        opts = comp.options(method, fronts)
+        opts = comp.options(get_method(method), fronts)
         freqs = {o.freq_mhz for v in opts.values() for o in v}
         assert len(freqs) <= n_freq and (n_freq > 1 or freqs == {1410}), method
     with pytest.raises(SpecError, match="search results"):
-        comp.options("kareus", None)
+        comp.options(get_method("kareus"), None)
     with pytest.raises(SpecError, match="unknown method"):
-        comp.options("zeus", fronts)
+        get_method("zeus")
 
 
 def test_every_plan_matches_its_simulation(k1):
     _job, _ps, sim, comp, fronts = k1
     costs = comp.pipeline_costs()
     for method in ("perseus", "nanobatch_perseus", "kareus"):
-        opts = comp.options(method, fronts)
+        opts = comp.options(get_method(method), fronts)
         for i, pt in enumerate(solve_frontier(opts, costs)):
             plan = to_execution_plan(f"{method}-{i}", pt.picks, 1410, method != "perseus")
             r = sim.run(plan)

@@ -2,10 +2,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kareus.gpu.kernels import build_kernel, build_kernels, stand_in_collective  # noqa: E402
+from kareus.gpu.partition_runner import PartitionRunner  # noqa: E402
 from kareus.partition import PartitionSet  # noqa: E402
-from kareus.runtime.kernels import build_kernels, stand_in_collective  # noqa: E402
-from kareus.runtime.runner import PartitionRunner  # noqa: E402
 from kareus.sources import build_job  # noqa: E402
+from kareus.workload.layer import LayerShapes  # noqa: E402
 
 TINY = dict(model=dict(name="tiny", hidden_size=256, num_layers=4, num_attention_heads=4,
                        num_kv_heads=2, head_dim=64, ffn_hidden_size=512, vocab_size=1000),
@@ -47,3 +48,18 @@ def test_kernels_run_on_the_cpu_with_the_collective_at_its_slot():
         names = [op.name for op in p.compute_ops]
         at = p.slots[1].op_index
         assert order == [*names[:at], "COLL", *names[at:]]
+
+
+def test_one_kernel_per_op_outside_partitions():
+    """`build_kernel` serves ops outside partitions too (the LM head GEMM, the final
+    norm): the same kernel `build_kernels` builds for an op of a partition."""
+    job = build_job(overrides=TINY)
+    p = PartitionSet.from_job(job)["fwd_mlp"]
+    shapes = LayerShapes(job)
+    for op in p.compute_ops:
+        k = build_kernel(op, shapes, "cpu", torch.float32)
+        assert (k.name, k.kind) == (op.name, op.kind)
+        k.run()
+    gemm = next(op for op in p.compute_ops if op.kind == "gemm")
+    assert build_kernel(gemm, shapes, "meta", torch.bfloat16).shapes == next(
+        k.shapes for k in build_kernels(p, job, "meta") if k.name == gemm.name)

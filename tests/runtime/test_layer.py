@@ -7,8 +7,10 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from kareus.core import PartitionSetting  # noqa: E402
 from kareus.partition import PartitionSet  # noqa: E402
-from kareus.runtime.layer import LayerPlan, LlamaLayer  # noqa: E402
+from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
+from kareus.runtime.model import LlamaLayer  # noqa: E402
 from kareus.sources import build_job  # noqa: E402
 
 SHAPE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128)
@@ -19,10 +21,10 @@ JOB = build_job(overrides=dict(
 PARTS = PartitionSet.from_job(JOB).partitions
 
 PLANS = {
-    "no overlap": {k: (3, None) for k in PARTS},
-    "earliest": {k: (3, p.slots[0].name) for k, p in PARTS.items()},
-    "middle": {k: (6, p.slots[len(p.slots) // 2].name) for k, p in PARTS.items()},
-    "last": {k: (9, p.slots[-1].name) for k, p in PARTS.items()},
+    "no overlap": {k: PartitionSetting(3, None) for k in PARTS},
+    "earliest": {k: PartitionSetting(3, p.slots[0].name) for k, p in PARTS.items()},
+    "middle": {k: PartitionSetting(6, p.slots[len(p.slots) // 2].name) for k, p in PARTS.items()},
+    "last": {k: PartitionSetting(9, p.slots[-1].name) for k, p in PARTS.items()},
 }
 
 
@@ -92,9 +94,9 @@ JOB_CP = build_job(overrides=dict(
     tp=1, cp=2, pp=1, micro_batch_size=2, seq_length=32, gpus_per_node=2, nodes=1))
 PARTS_CP = PartitionSet.from_job(JOB_CP).partitions
 PLANS_CP = {
-    "no overlap": {k: (3, None) for k in PARTS_CP},
-    "earliest": {k: (3, p.slots[0].name) for k, p in PARTS_CP.items()},
-    "last": {k: (9, p.slots[-1].name) for k, p in PARTS_CP.items()},
+    "no overlap": {k: PartitionSetting(3, None) for k in PARTS_CP},
+    "earliest": {k: PartitionSetting(3, p.slots[0].name) for k, p in PARTS_CP.items()},
+    "last": {k: PartitionSetting(9, p.slots[-1].name) for k, p in PARTS_CP.items()},
 }
 
 

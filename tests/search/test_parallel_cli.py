@@ -3,8 +3,9 @@ import json
 
 import pytest
 
+from kareus.backends.factory import BackendSpec
+from kareus.executors import ExecutorSpec, make_task, run_tasks
 from kareus.search import SearchConfig
-from kareus.search.parallel import make_task, run_tasks
 from kareus.sources import build_job
 from kareus.store import Journal, job_id
 from tests.conftest import run_cli
@@ -14,27 +15,30 @@ CFG = SearchConfig(budget=30, tolerance=0, seed=2)
 
 
 def _tasks(journal=None):
-    return [make_task(JOB, key, CFG, noise=0.03, seed=2, journal=journal)
+    return [make_task(JOB, key, CFG, BackendSpec(noise=0.03, seed=2), journal=journal)
             for key in ("fwd_attn", "bwd_mlp")]
 
 
 def test_process_pool_matches_inline_and_shares_one_journal(tmp_path):
     path = str(tmp_path / "j.sqlite")
-    inline = run_tasks(_tasks(), workers=1)
-    pooled = run_tasks(_tasks(path), workers=2)
+    inline = run_tasks(_tasks(), ExecutorSpec(workers=1))
+    pooled = run_tasks(_tasks(path), ExecutorSpec(workers=2))
     assert inline == pooled
     with Journal(path) as j:
         counts = {r["partition"]: r["measurements"] for r in j.summary()}
     assert counts == {"fwd_attn": 30, "bwd_mlp": 30}
     # and a second run finds everything in the journal
-    again = run_tasks(_tasks(path), workers=2)
-    assert all(r["measured_this_run"] == 0 for r in again)
-    assert [r["samples"] for r in again] == [r["samples"] for r in pooled]
+    again = run_tasks(_tasks(path), ExecutorSpec(workers=2))
+    assert all(r.measured_this_run == 0 for r in again)
+    assert all(s.reused for r in again for s in r.samples)
+    assert ([[(s.knobs, s.measurement) for s in r.samples] for r in again]
+            == [[(s.knobs, s.measurement) for s in r.samples] for r in pooled])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
 def test_ray_matches_the_local_pool():
-    assert run_tasks(_tasks(), executor="ray") == run_tasks(_tasks(), workers=1)
+    assert (run_tasks(_tasks(), ExecutorSpec("ray"))
+            == run_tasks(_tasks(), ExecutorSpec(workers=1)))
 
 
 def test_search_cli_json_schema():
@@ -47,7 +51,8 @@ def test_search_cli_json_schema():
         assert field in doc
     assert len(doc["samples"]) == 30 == doc["measured_this_run"]
     assert set(doc["samples"][0]) == {"freq_mhz", "sms", "slot", "time_s", "dynamic_energy_j",
-                                      "energy_j"}
+                                      "energy_j", "static_energy_j", "avg_power_w",
+                                      "effective_freq_mhz", "reused"}
     assert doc["profiling_cost_s"] >= 30 * 10
 
 

@@ -79,8 +79,7 @@ def test_journal_resume_measures_only_what_is_new(tmp_path):
 
 
 def second_backend_id(backend):
-    from kareus.search.loop import backend_identity
-    return backend_identity(backend)
+    return backend.identity()
 
 
 def test_profiling_cost_counts_window_cooldown_and_settles():

@@ -13,7 +13,9 @@ frontier is the Pareto set of the plans met on the way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -123,20 +125,29 @@ def _frontier(points: list[PipelinePoint]) -> list[PipelinePoint]:
     return pareto_front(points, key=lambda p: (p.time_s, p.energy_j))
 
 
-def _phillips_dessouky(options, costs: PipelineCosts, unit: float):
+def _phillips_dessouky(options: dict[tuple[int, str], list[InstructionOption]],
+                       costs: PipelineCosts, unit: float) -> Iterator[dict[InstructionId, int]]:
     """Yield the per-instruction option choice after every solver step."""
-    import networkx as nx
-    from lowtime.cost_model import CostModel
-    from lowtime.operation import (
-        CandidateExecutionOptions,
-        DummyOperation,
-        ExecutionOption,
-        Operation,
-        OperationSpec,
-    )
     from lowtime.solver import PhillipsDessouky
 
-    class HullCost(CostModel):
+    dag, ops = _pipeline_dag(options, costs, _spec_builder(unit))
+    logging.getLogger("lowtime").setLevel(logging.WARNING)
+    try:
+        for _ in PhillipsDessouky(dag, attr_name="op").run():
+            yield {iid: int(op.assigned_knob) for iid, op in ops.items()}
+    except BaseException as exc:  # lowtime's Rust core raises PanicException(BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        raise KareusError(f"the pipeline solver (lowtime) failed: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
+def _spec_builder(unit: float) -> Callable[[list[tuple[float, float]]], Any]:
+    """(time, dynamic energy) options -> a lowtime OperationSpec in ``unit`` steps."""
+    from lowtime.cost_model import CostModel
+    from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
+
+    class HullCost(CostModel):  # type: ignore[misc]
         """Piecewise-linear through the lower convex hull of the options: exact at the
         hull's vertices, convex as Phillips-Dessouky needs."""
 
@@ -153,30 +164,37 @@ def _phillips_dessouky(options, costs: PipelineCosts, unit: float):
         def __call__(self, quant_time: int) -> float:
             return float(np.interp(quant_time, self.xs, self.ys))
 
-    def spec(opts: list[tuple[float, float]]) -> OperationSpec:
+    def spec(opts: list[tuple[float, float]]) -> Any:
         cands = CandidateExecutionOptions(options=[
             ExecutionOption(real_time=t, unit_time=unit, cost=e, knob=i)
             for i, (t, e) in enumerate(opts)])
         return OperationSpec(options=cands, cost_model=HullCost(cands))
 
+    return spec
+
+
+def _pipeline_dag(options: dict[tuple[int, str], list[InstructionOption]],
+                  costs: PipelineCosts, spec: Callable[[list[tuple[float, float]]], Any]
+                  ) -> tuple[Any, dict[InstructionId, Any]]:
+    """The 1F1B DAG (operation on node) and each instruction's lowtime Operation."""
+    import networkx as nx
+    from lowtime.operation import DummyOperation, Operation
+
     specs = {k: spec([(o.time_s, o.dynamic_energy_j) for o in v]) for k, v in options.items()}
     dag = nx.DiGraph()
-    node = 0
 
-    def add(op) -> int:
-        nonlocal node
-        node += 1
+    def add(op: Any) -> int:
+        node = dag.number_of_nodes() + 1
         dag.add_node(node, op=op)
         return node
 
     source, sink = add(DummyOperation()), add(DummyOperation())
     ids: dict[InstructionId, int] = {}
-    ops: dict[InstructionId, Operation] = {}
+    ops: dict[InstructionId, Any] = {}
     for s in range(costs.pp):
         prev = source
         for m, d in one_f_one_b(costs.pp, costs.microbatches, s):
-            op = Operation(spec=specs[(s, d)])
-            ops[(s, m, d)] = op
+            ops[(s, m, d)] = op = Operation(spec=specs[(s, d)])
             ids[(s, m, d)] = n = add(op)
             dag.add_edge(prev, n)
             prev = n
@@ -198,16 +216,7 @@ def _phillips_dessouky(options, costs: PipelineCosts, unit: float):
                 else:
                     dag.add_edge(ids[a], ids[b])
     dag.graph["source_node"], dag.graph["sink_node"] = source, sink
-
-    logging.getLogger("lowtime").setLevel(logging.WARNING)
-    try:
-        for _ in PhillipsDessouky(dag, attr_name="op").run():
-            yield {iid: int(op.assigned_knob) for iid, op in ops.items()}
-    except BaseException as exc:  # lowtime's Rust core raises PanicException(BaseException)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-            raise
-        raise KareusError(f"the pipeline solver (lowtime) failed: {type(exc).__name__}: "
-                          f"{exc}") from None
+    return dag, ops
 
 
 def _cross(o, a, b) -> float:

@@ -1,1 +1,11 @@
-"""Running partitions and plans on real hardware with PyTorch (an optional extra)."""
+"""Running a plan in PyTorch training (an optional extra).
+
+- `model`: `LlamaLayer`, the decoder layer (plain, or a plan's partitioned overlap);
+- `layer_plan`: `LayerPlan`, what the layer takes of a plan (no torch);
+- `overlap`, `overlap_tp`, `overlap_cp`: the overlapped schedules;
+- `primitives`: tensor/context-parallel operators, RMSNorm, rotary;
+- `frequency_controller`: the plan's clock per pipeline instruction.
+
+Nothing is imported here: ``import kareus.runtime`` needs no torch. The kernels the nvml
+backend measures live in `kareus.gpu`.
+"""

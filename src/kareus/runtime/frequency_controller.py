@@ -14,14 +14,21 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from pathlib import Path
+from typing import IO, Any
 
 from kareus.errors import KareusError
 from kareus.execution import ExecutionPlan
 
+Message = tuple[str, int, int] | None
+"""(direction, microbatch, MHz), or None: stop."""
 
-def _child(q, gpu_index: int, dry_run: bool, log_path: str | None, parent_pid: int
-           ) -> None:
+
+def _child(q: Queue[Message], gpu_index: int, dry_run: bool, log_path: str | None,
+           parent_pid: int) -> None:
     log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
     try:
         if dry_run:
@@ -37,7 +44,8 @@ def _child(q, gpu_index: int, dry_run: bool, log_path: str | None, parent_pid: i
             log.close()
 
 
-def _loop(q, apply, log, parent_pid: int) -> None:
+def _loop(q: Queue[Message], apply: Callable[[int], Any], log: IO[str] | None,
+          parent_pid: int) -> None:
     while True:
         try:
             msg = q.get(timeout=1.0)
@@ -62,16 +70,17 @@ class FrequencyController:
         self.dry_run = dry_run
         self.log_path = str(log_path) if log_path else None
         self._ctx = mp.get_context("spawn")
-        self._q = None
-        self._proc = None
+        self._q: Queue[Message] | None = None
+        self._proc: BaseProcess | None = None
 
     def start(self) -> FrequencyController:
         if self._proc is None:
-            self._q = self._ctx.Queue()
-            self._proc = self._ctx.Process(
-                target=_child, args=(self._q, self.gpu_index, self.dry_run, self.log_path,
+            q: Queue[Message] = self._ctx.Queue()
+            proc = self._ctx.Process(
+                target=_child, args=(q, self.gpu_index, self.dry_run, self.log_path,
                                      os.getpid()), daemon=True)
-            self._proc.start()
+            proc.start()
+            self._q, self._proc = q, proc
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -80,7 +89,7 @@ class FrequencyController:
             return
         proc, self._proc = self._proc, None
         if proc.is_alive():
-            self._q.put(None)
+            self._queue().put(None)
             proc.join(timeout_s)
         if proc.is_alive():
             proc.terminate()  # SIGTERM: the guard still resets the clocks
@@ -92,7 +101,7 @@ class FrequencyController:
     def __enter__(self) -> FrequencyController:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def _send(self, direction: str, microbatch: int) -> None:
@@ -103,8 +112,12 @@ class FrequencyController:
             self._proc = None
             raise KareusError(f"the frequency controller died (status {code}); clocks are "
                               f"not following the plan")
-        self._q.put((direction, microbatch, self.plan.freq(self.stage, microbatch,
-                                                            direction)))
+        mhz = self.plan.freq(self.stage, microbatch, direction)
+        self._queue().put((direction, microbatch, mhz))
+
+    def _queue(self) -> Queue[Message]:
+        assert self._q is not None, "the controller has not started"
+        return self._q
 
     def before_forward(self, microbatch: int) -> None:
         self._send("forward", microbatch)

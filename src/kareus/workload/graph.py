@@ -20,7 +20,7 @@ from kareus.workload.layer import (
     memory_backward,
     memory_op,
 )
-from kareus.workload.ops import Collective, ComputeOp, Op, Segment
+from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, Op, Segment
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
     h = m.hidden_size
     vocab_local = -(-m.vocab_size // job.tp)  # vocab-parallel, padded up
     act_bytes = float(tokens * h * E)
-    tp_out_kind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
+    tp_out_kind: CollectiveKind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
     params = layers * layer_params(job)
 
     fwd_pre: list[Op] = []

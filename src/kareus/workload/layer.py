@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from kareus.spec import BYTES_PER_ELEMENT as E
 from kareus.spec import JobSpec
-from kareus.workload.ops import Collective, ComputeOp, GemmShape, Op
+from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, GemmShape, Op
 
 
 def gemm(name: str, m: int, n: int, k: int) -> ComputeOp:
@@ -88,7 +88,7 @@ class LayerShapes:
 
 def _tp_closing(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collective:
     """The collective after a row-parallel GEMM: all-reduce, or reduce-scatter with SP."""
-    kind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
+    kind: CollectiveKind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
     return Collective(name, kind, "tp", job.tp, sh.activation_bytes, closes)
 
 
@@ -161,10 +161,10 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     without the recomputed forward."""
     sh = LayerShapes(job, sequences)
     sp, cp = job.sequence_parallel, job.cp > 1
-    f = {op.name: op for op in (fwd or forward_ops(job, sequences)) if not op.is_collective}
+    f = {op.name: op for op in (fwd or forward_ops(job, sequences)) if isinstance(op, ComputeOp)}
     # The gradient of a forward all-reduce is an all-reduce at the input of the column-parallel
     # GEMM; with SP, forward all-gather <-> backward reduce-scatter and vice versa.
-    in_grad_kind = "reduce_scatter" if sp else "all_reduce"
+    in_grad_kind: CollectiveKind = "reduce_scatter" if sp else "all_reduce"
 
     def grad_in(name: str, closes: str) -> Collective:
         return Collective(name, in_grad_kind, "tp", job.tp, sh.activation_bytes, closes)

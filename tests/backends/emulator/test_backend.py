@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus.backends.base import Backend
-from kareus.core import Knobs
 from kareus.backends.emulator import EmulatorBackend
+from kareus.core import Knobs
 from kareus.errors import SpecError
 from kareus.partition import PartitionSet
 from kareus.sources import build_job

@@ -4,17 +4,17 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.core import MeasurementProtocol
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.nvml import NvmlBackend
 from kareus.backends.emulator.calibration import (
     fit_params,
     measure_and_compare,
     write_calibration,
 )
+from kareus.backends.nvml import NvmlBackend
+from kareus.core import MeasurementProtocol
 from kareus.gpu.device import FakeDevice
 from kareus.sources import build_job
-from tests.runtime.test_kernels import TINY
+from tests.gpu.test_kernels import TINY
 
 
 def test_calibration_round_trip_on_a_fake_gpu(tmp_path):

@@ -1,0 +1,5 @@
+"""python -m kareus.cli"""
+
+from kareus.cli import main
+
+main()

@@ -1,0 +1,61 @@
+"""What the overlapped layer needs of a plan: per partition key, the collective's setting
+(SMs and launch slot) and the compute op each slot names.
+
+Keys as in kareus.partition (fwd_attn, fwd_mlp, bwd_mlp, bwd_attn; with CP fwd_qkv_ag,
+bwd_o_ar, ...). A key without a setting runs its collective after the partition's compute
+(no overlap) on the layer's own group. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kareus.core import InstructionId, PartitionSetting
+from kareus.execution import ExecutionPlan
+from kareus.partition import Partition
+
+NO_SETTING = PartitionSetting(0, None)
+"""A key the plan does not set: no overlap, no SM-specific process group."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    settings: dict[str, PartitionSetting]
+    """Per partition key: the collective's SMs and launch slot (None: no overlap)."""
+    slot_ops: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per key: slot name -> name of the compute op it starts with (from the partition)."""
+
+    def setting(self, key: str) -> PartitionSetting:
+        return self.settings.get(key, NO_SETTING)
+
+    def launch_op(self, key: str) -> str | None:
+        """The compute op before which ``key``'s collective is issued (None: after the
+        partition's last op)."""
+        slot = self.setting(key).slot
+        if slot is None:
+            return None
+        return self.slot_ops.get(key, {}).get(slot, slot)
+
+    def sms(self, key: str) -> int:
+        return self.setting(key).sms
+
+    @classmethod
+    def from_partitions(cls, partitions: Mapping[str, Partition],
+                        settings: Mapping[str, PartitionSetting]) -> LayerPlan:
+        """``settings`` per key; a `LAUNCH_FIRST` slot becomes the partition's first."""
+        resolved = {k: PartitionSetting(s.sms, partitions[k].resolve_slot(s.slot))
+                    if k in partitions else s for k, s in settings.items()}
+        slot_ops = {k: {s.name: p.compute_ops[s.op_index].name for s in p.slots}
+                    for k, p in partitions.items()}
+        return cls(resolved, slot_ops)
+
+    @classmethod
+    def from_plan(cls, plan: ExecutionPlan, partitions: Mapping[str, Partition],
+                  instruction: InstructionId = (0, 0, "forward"), default_sms: int = 32
+                  ) -> LayerPlan:
+        """The settings ``plan`` gives ``instruction`` (at its clock) for every partition
+        key; ``default_sms`` for keys whose SMs the plan leaves to NCCL."""
+        freq = plan.freq(*instruction)
+        settings = {k: plan.choice(k, freq, default_sms, instruction) for k in partitions}
+        return cls.from_partitions(partitions, settings)

@@ -1,0 +1,157 @@
+"""A Llama-style decoder layer, tensor parallel (and optionally context parallel), that
+runs a Kareus plan's partitioned overlap — forward and backward — and computes exactly what
+the plain layer computes.
+
+Shards (Megatron): QKV and FC1 column parallel, output projection and FC2 row parallel,
+norms replicated. The plain layer (``layer(x)``) uses Megatron's two autograd operators and
+blocking collectives (kareus.runtime.primitives). With a `LayerPlan` (``layer(x, plan)``)
+it splits the microbatch into two nanobatches and runs Kareus's partitions: one custom
+autograd Function owns the whole schedule (kareus.runtime.overlap_tp, or overlap_cp with
+context parallelism). Each collective is issued asynchronously (NCCL runs it on its own
+stream; with the plan's SM count when a group per SM setting is given) just before the
+compute op named by the plan's slot, and waited for at the end of its partition.
+
+The overlap changes when things run, never what they compute (tested: outputs and every
+gradient equal the plain layer's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kareus.runtime.layer_plan import LayerPlan
+from kareus.runtime.overlap import GroupsBySms, Taps, layer_params
+from kareus.runtime.overlap_cp import OverlappedCP
+from kareus.runtime.overlap_tp import OverlappedTP
+from kareus.runtime.primitives import (
+    CopyToTP,
+    GatherSeq,
+    Group,
+    ReduceFromTP,
+    rank_in,
+    rmsnorm,
+    rotary,
+    world_size,
+)
+
+
+class LlamaLayer(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+                 tp_group: Group = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 groups_by_sms: GroupsBySms | None = None, cp_group: Group = None,
+                 cp_groups_by_sms: GroupsBySms | None = None) -> None:
+        super().__init__()
+        self.group = tp_group
+        self.cp_group = cp_group
+        self.cp = world_size(cp_group)
+        self.cp_rank = rank_in(cp_group)
+        tp, r = world_size(tp_group), rank_in(tp_group)
+        if heads % tp or ffn % tp or (kv_heads % tp and tp % kv_heads):
+            raise ValueError(f"tp={tp} must divide heads ({heads}) and FFN ({ffn}), and "
+                             f"divide or be a multiple of the KV heads ({kv_heads})")
+        self.h, self.d = hidden, head_dim
+        self.heads = heads // tp
+        self.kv = max(1, kv_heads // tp)
+        self.ffn = ffn // tp
+        self.groups_by_sms = groups_by_sms
+        self.cp_groups_by_sms = cp_groups_by_sms
+        g = torch.Generator().manual_seed(seed)
+
+        def full(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, dtype=dtype) / shape[0] ** 0.5
+
+        # full matrices from the seed, this rank's shard kept: every TP size computes the
+        # same function
+        wq, wk, wv = full(hidden, heads * head_dim), full(hidden, kv_heads * head_dim), full(
+            hidden, kv_heads * head_dim)
+        # this rank's first KV head (with fewer KV heads than ranks they are replicated)
+        kv_rank = r * kv_heads // tp
+        q_cols = slice(r * self.heads * head_dim, (r + 1) * self.heads * head_dim)
+        kv_cols = slice(kv_rank * head_dim, kv_rank * head_dim + self.kv * head_dim)
+        self.wqkv = torch.nn.Parameter(torch.cat([wq[:, q_cols], wk[:, kv_cols],
+                                                  wv[:, kv_cols]], dim=1))
+        self.wo = torch.nn.Parameter(full(heads * head_dim, hidden)[q_cols, :].contiguous())
+        gate, up = full(hidden, ffn), full(hidden, ffn)
+        f_cols = slice(r * self.ffn, (r + 1) * self.ffn)
+        self.w1 = torch.nn.Parameter(torch.cat([gate[:, f_cols], up[:, f_cols]], dim=1))
+        self.w2 = torch.nn.Parameter(full(ffn, hidden)[f_cols, :].contiguous())
+        self.norm1 = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.norm2 = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
+
+    # The two segments as functions of their inputs -------------------------------------------
+
+    def qkv_core(self, a: torch.Tensor, taps: Taps | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """a (norm output) -> q and this rank's k, v (rotary at their global positions)."""
+        b, s, _ = a.shape
+        qkv = a @ self.wqkv
+        q, k, v = torch.split(qkv, [self.heads * self.d, self.kv * self.d,
+                                    self.kv * self.d], dim=-1)
+        offset = self.cp_rank * s
+        q = rotary(q.reshape(b, s, self.heads, self.d), offset)
+        k = rotary(k.reshape(b, s, self.kv, self.d), offset)
+        v = v.reshape(b, s, self.kv, self.d)
+        if taps is not None:
+            taps.update(qkv=qkv, rope=(q, k))
+        return q, torch.cat([k, v], dim=-1)
+
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, taps: Taps | None = None
+                  ) -> torch.Tensor:
+        """Local queries over the whole sequence's k, v (causal at global positions)."""
+        b, s = q.shape[:2]
+        k, v = kv.split(self.d, dim=-1)
+        if self.cp > 1:
+            total = k.shape[1]
+            pos_q = torch.arange(self.cp_rank * s, (self.cp_rank + 1) * s, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= pos_q[:, None]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), attn_mask=mask,
+                                               enable_gqa=self.heads != self.kv)
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True,
+                                               enable_gqa=self.heads != self.kv)
+        o = o.transpose(1, 2).reshape(b, s, self.heads * self.d)
+        if taps is not None:
+            taps.update(core_attn=o)
+        return o
+
+    def attn_core(self, a: torch.Tensor, taps: Taps | None = None) -> torch.Tensor:
+        """a (norm output) -> partial output projection (CP=1); ``taps`` collects
+        intermediates."""
+        q, kv = self.qkv_core(a, taps)
+        o = self.attention(q, kv, taps)
+        p = o @ self.wo
+        if taps is not None:
+            taps.update(out_proj=p)
+        return p
+
+    def mlp_core(self, bn: torch.Tensor, taps: Taps | None = None) -> torch.Tensor:
+        gu = bn @ self.w1
+        gate, up = gu.chunk(2, dim=-1)
+        sw = F.silu(gate) * up
+        m = sw @ self.w2
+        if taps is not None:
+            taps.update(fc1=gu, swiglu=sw, fc2=m)
+        return m
+
+    # Entry point -----------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, plan: LayerPlan | None = None) -> torch.Tensor:
+        """The plain layer without a plan; the plan's partitioned overlap with one."""
+        if plan is None:
+            return self.plain(x)
+        schedule = OverlappedCP if self.cp > 1 else OverlappedTP
+        return schedule.apply(x, self, plan, *layer_params(self))
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """Blocking collectives, ordinary autograd."""
+        g = self.group
+        a = CopyToTP.apply(rmsnorm(x, self.norm1), g)
+        q, kv = self.qkv_core(a)
+        if self.cp > 1:
+            kv = GatherSeq.apply(kv, self.cp_group)
+        h = x + ReduceFromTP.apply(self.attention(q, kv) @ self.wo, g)
+        bn = CopyToTP.apply(rmsnorm(h, self.norm2), g)
+        return h + ReduceFromTP.apply(self.mlp_core(bn), g)

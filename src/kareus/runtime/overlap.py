@@ -1,0 +1,181 @@
+"""What the TP and CP overlapped schedules share: the layer they run, their asynchronous
+partition collectives, the hooks that issue a collective at its slot, and the sums of the
+parameter gradients their backward passes return.
+
+A partition's collective is issued once, just before the compute op its slot names
+(forward: checked op by op; backward: from a gradient hook on the forward tensor whose
+backward the slot names), and waited for once, at the partition's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from kareus.runtime.layer_plan import LayerPlan
+from kareus.runtime.primitives import Group, rank_in, world_size
+
+GroupsBySms = Callable[[int], Group]
+"""The process group whose NCCL communicator runs a collective on that many SMs."""
+
+Taps = dict[str, "torch.Tensor | tuple[torch.Tensor, ...]"]
+"""Intermediate tensors of a segment by the name of the op producing them."""
+
+
+class OverlapLayer(Protocol):
+    """What the schedules use of `kareus.runtime.model.LlamaLayer`."""
+
+    group: Group
+    cp_group: Group
+    groups_by_sms: GroupsBySms | None
+    cp_groups_by_sms: GroupsBySms | None
+    heads: int
+    kv: int
+    d: int
+    wqkv: torch.nn.Parameter
+    wo: torch.nn.Parameter
+    w1: torch.nn.Parameter
+    w2: torch.nn.Parameter
+    norm1: torch.nn.Parameter
+    norm2: torch.nn.Parameter
+
+    def qkv_core(self, a: torch.Tensor, taps: Taps | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, taps: Taps | None = None
+                  ) -> torch.Tensor: ...
+
+    def attn_core(self, a: torch.Tensor, taps: Taps | None = None) -> torch.Tensor: ...
+
+    def mlp_core(self, bn: torch.Tensor, taps: Taps | None = None) -> torch.Tensor: ...
+
+
+def layer_params(layer: OverlapLayer) -> list[torch.nn.Parameter]:
+    """The layer's parameters in the order the schedules take and return them."""
+    return [layer.wqkv, layer.wo, layer.w1, layer.w2, layer.norm1, layer.norm2]
+
+
+class Pending:
+    """One asynchronous collective of a partition: issued once (before the slot's op),
+    waited for once (at the partition's end). With ``groups_by_sms``, it runs on the
+    process group for its SM count (NCCL min_ctas = max_ctas = SMs)."""
+
+    def __init__(self, kind: str, tensor: torch.Tensor, group: Group, sms: int = 0,
+                 groups_by_sms: GroupsBySms | None = None) -> None:
+        self.kind, self.tensor, self.group = kind, tensor, group
+        if groups_by_sms is not None and sms > 0 and world_size(group) > 1:
+            self.group = groups_by_sms(sms)
+        self.work: dist.Work | None = None
+        self.result: torch.Tensor | None = None
+        self.issued = False
+        self._parts: list[torch.Tensor] = []
+
+    def issue(self) -> None:
+        if self.issued:
+            return
+        self.issued = True
+        t, g = self.tensor, self.group
+        if world_size(g) <= 1:
+            self.result = t
+            return
+        if self.kind == "all_reduce":
+            self.result = t
+            self.work = dist.all_reduce(t, group=g, async_op=True)
+        elif self.kind == "all_gather":
+            self._parts = [torch.empty_like(t) for _ in range(world_size(g))]
+            self.work = dist.all_gather(self._parts, t.contiguous(), group=g, async_op=True)
+        elif self.kind == "reduce_scatter":  # all-reduce, then this rank's chunk (gloo has
+            self.result = t.contiguous().clone()  # no reduce-scatter; same numbers)
+            self.work = dist.all_reduce(self.result, group=g, async_op=True)
+        else:
+            raise ValueError(f"unknown collective {self.kind}")
+
+    def wait(self) -> torch.Tensor:
+        self.issue()
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.kind == "all_gather":
+                self.result = torch.cat(self._parts, dim=1)
+            elif self.kind == "reduce_scatter":
+                assert self.result is not None
+                n = world_size(self.group)
+                self.result = self.result.chunk(n, dim=1)[rank_in(self.group)].contiguous()
+        assert self.result is not None
+        return self.result
+
+
+class PartitionCollectives:
+    """Makes the collective a partition hides: all-reduces on the TP group, all-gathers
+    and reduce-scatters on the CP group, each (where a group per SM count is given) on the
+    group for the SMs the plan gives the partition."""
+
+    def __init__(self, layer: OverlapLayer, plan: LayerPlan) -> None:
+        self.layer, self.plan = layer, plan
+
+    def __call__(self, kind: str, tensor: torch.Tensor, key: str) -> Pending:
+        layer, sms = self.layer, self.plan.sms(key)
+        if kind == "all_reduce":
+            return Pending(kind, tensor, layer.group, sms, layer.groups_by_sms)
+        return Pending(kind, tensor, layer.cp_group, sms, layer.cp_groups_by_sms)
+
+
+def issue_before(pending: Pending | None, launch_op: str | None, name: str) -> None:
+    """Forward slot hook: issue ``pending`` if its launch op is ``name`` (about to run)."""
+    if pending is not None and launch_op == name:
+        pending.issue()
+
+
+def issue_at_end(pending: Pending | None) -> None:
+    """Slot "none": issue ``pending`` after the partition's last compute op."""
+    if pending is not None:
+        pending.issue()
+
+
+BACKWARD_TAPS = {"fc2_bwd": "fc2", "swiglu_bwd": "swiglu", "fc1_bwd": "fc1",
+                 "out_proj_bwd": "out_proj", "core_attn_bwd": "core_attn",
+                 "rope_bwd": "rope", "qkv_bwd": "qkv"}
+"""Backward slot -> the forward tensor whose gradient marks that op's backward start."""
+
+
+def hook_backward_slot(taps: Taps, launch: str | None, pending: Pending | None) -> None:
+    """Backward slot hook: issue ``pending`` when autograd reaches the backward op named
+    ``launch`` (a norm or residual slot: at once, the start of the partition)."""
+    if pending is None:
+        return
+    name = BACKWARD_TAPS.get(launch or "")
+    if name is None:
+        if launch is not None:  # a norm/residual slot: the start of the partition
+            pending.issue()
+        return
+    if name not in taps:  # the slot's op is not in this piece of the partition
+        return
+    issue = pending.issue
+
+    def on_gradient(grad: torch.Tensor) -> None:
+        issue()
+
+    tapped = taps[name]
+    for t in tapped if isinstance(tapped, tuple) else (tapped,):
+        t.register_hook(on_gradient)
+
+
+class GradientSums:
+    """Per parameter, the sum of its gradient pieces over the backward partitions."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self._sums = {id(w): torch.zeros_like(w) for w in params}
+
+    def add(self, params: list[torch.nn.Parameter],
+            grads: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None]) -> None:
+        for w, g in zip(params, grads):
+            if g is not None:
+                self._sums[id(w)] += g
+
+    def ordered(self) -> list[torch.Tensor]:
+        """The sums in the order of ``params``."""
+        return [self._sums[id(w)] for w in self.params]

@@ -1,0 +1,70 @@
+"""The layout rules of docs/architecture.md that a linter does not check: module and
+function sizes, and no import cycle between modules (function-local imports included)."""
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kareus"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def test_no_module_over_400_lines():
+    long = {name: n for name, p in _modules().items()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long
+
+
+def test_no_function_over_80_lines():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Kareus modules that ``name`` imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != name}
+    return out
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    graph = nx.DiGraph()
+    for name, path in mods.items():
+        for target in _imports(name, path, set(mods)):
+            # a package's __init__ re-exporting its own submodules is not a cycle
+            if not target.startswith(name + "."):
+                graph.add_edge(name, target)
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, cycles[:5]
