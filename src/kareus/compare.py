@@ -19,7 +19,7 @@ from kareus.sources import build_job
 
 SUITES = {"kareus": [f"kareus-{i}" for i in range(1, 11)]}
 
-# The paper's headline numbers (FACTS §4): best case over its ten workloads.
+# The paper's headline numbers (docs/anchors.md §4): best case over its ten workloads.
 PAPER = {
     "iso_time_energy_reduction": 0.283,
     "iso_energy_time_reduction": 0.275,

@@ -1,9 +1,10 @@
 """GPU catalog: the one source of truth for every hardware constant Kareus uses.
 
-Each constant carries a short note of where it comes from. "FACTS §n" refers to the
-public-numbers file (vendor datasheets, NCCL source and nccl-tests threads, Zeus/Perseus
-docs, NanoFlow traces, the Kareus paper). Values marked "assumption" have no public
-measurement; they are documented choices inside the published range.
+Each constant carries a short note of where it comes from. "anchors §n" is section n of
+docs/anchors.md, the public numbers (vendor datasheets, NCCL source and nccl-tests
+threads, Zeus/Perseus docs, NanoFlow traces, the Kareus paper). Values marked
+"assumption" have no public measurement; they are documented choices inside the published
+range.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kareus.errors import SpecError
 
-CLOCK_STEP_MHZ = 15  # every NVIDIA data-centre part here exposes 15 MHz steps (FACTS §1)
+CLOCK_STEP_MHZ = 15  # every NVIDIA data-centre part here exposes 15 MHz steps (anchors §1)
 
 
 @dataclass(frozen=True)
@@ -67,26 +68,27 @@ _GB = 1e9
 _TFLOP = 1e12
 
 _A100_NOTES = {
-    "sm_count": "NVIDIA A100 datasheet (FACTS §1)",
-    "clock table": "nvidia-smi supported clocks: 1410 down to 210 in 15 MHz steps (FACTS §1)",
-    "search freqs": "Kareus artifact: 1410..900 MHz in 30 MHz steps, 18 values (FACTS §4)",
-    "flop_per_clock_per_sm": "inferred: 312 TFLOP/s / (108 SMs x 1.41 GHz) = 2048 (FACTS §1)",
-    "allreduce_busbw": "nccl-tests 8-GPU AllReduce 208-240 GB/s achieved; midpoint (FACTS §1)",
-    "nccl_channel_cap": "NCCL cost model per-channel cap, Ampere 20 GB/s (FACTS §3)",
+    "sm_count": "NVIDIA A100 datasheet (anchors §1)",
+    "clock table": "nvidia-smi supported clocks: 1410 down to 210 in 15 MHz steps (anchors §1)",
+    "search freqs": "Kareus artifact: 1410..900 MHz in 30 MHz steps, 18 values (anchors §4)",
+    "flop_per_clock_per_sm": "inferred: 312 TFLOP/s / (108 SMs x 1.41 GHz) = 2048 (anchors §1)",
+    "allreduce_busbw": "nccl-tests 8-GPU AllReduce 208-240 GB/s achieved; midpoint (anchors §1)",
+    "nccl_channel_cap": "NCCL cost model per-channel cap, Ampere 20 GB/s (anchors §3)",
     "internode": "assumption: one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)",
-    "static_power": "Kareus/Perseus constant for A100, GPU blocked in communication (FACTS §1)",
-    "idle_power": "about 60 W at 210 MHz (FACTS §1)",
+    "static_power": "Kareus/Perseus constant for A100, GPU blocked in communication (anchors §1)",
+    "idle_power": "about 60 W at 210 MHz (anchors §1)",
 }
 
 _HOPPER_NOTES = {
-    "sm_count": "NVIDIA H100/H200 SXM datasheet (FACTS §1)",
-    "clock table": "1980 down to 345 MHz in 15 MHz steps (FACTS §1)",
+    "sm_count": "NVIDIA H100/H200 SXM datasheet (anchors §1)",
+    "clock table": "1980 down to 345 MHz in 15 MHz steps (anchors §1)",
     "search freqs": "analogous to A100: max down to ~64% of max (900/1410) in 30 MHz steps",
-    "flop_per_clock_per_sm": "inferred 4096 (FACTS §1); 989 TFLOP/s is quoted at ~1830 MHz",
-    "nccl_channel_cap": "NCCL cost model per-channel cap, Hopper 36.7 GB/s (FACTS §3)",
+    "flop_per_clock_per_sm": "inferred 4096 (anchors §1); 989 TFLOP/s is quoted at ~1830 MHz",
+    "nccl_channel_cap": "NCCL cost model per-channel cap, Hopper 36.7 GB/s (anchors §3)",
     "internode": "assumption: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100)",
-    "static_power": "assumption: not published; 115 W chosen inside the 90-145 W range (FACTS §1)",
-    "idle_power": "about 140 W with memory allocated, P0 (FACTS §1)",
+    "static_power": "assumption: not published; 115 W chosen inside the 90-145 W range "
+                    "(anchors §1)",
+    "idle_power": "about 140 W with memory allocated, P0 (anchors §1)",
 }
 
 _CATALOG: dict[str, GPUSpec] = {
@@ -122,7 +124,7 @@ _CATALOG: dict[str, GPUSpec] = {
         internode_bytes_s=25 * _GB,
         static_power_w=85.0,
         idle_power_w=60.0,
-        notes={**_A100_NOTES, "hbm": "A100 SXM4 80GB datasheet: 2039 GB/s (FACTS §1)"},
+        notes={**_A100_NOTES, "hbm": "A100 SXM4 80GB datasheet: 2039 GB/s (anchors §1)"},
     ),
     "H100-SXM": GPUSpec(
         name="H100-SXM",
@@ -140,7 +142,7 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=115.0,
         idle_power_w=140.0,
         search_min_freq_mhz=1260,
-        notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (FACTS §1)"},
+        notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (anchors §1)"},
     ),
     "H200": GPUSpec(
         name="H200",
@@ -158,7 +160,7 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=115.0,
         idle_power_w=140.0,
         search_min_freq_mhz=1260,
-        notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (FACTS §1)"},
+        notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (anchors §1)"},
     ),
     "A40": GPUSpec(
         name="A40",
@@ -176,14 +178,14 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=70.0,
         idle_power_w=30.0,
         notes={
-            "sm_count": "NVIDIA A40 datasheet (FACTS §1)",
-            "search freqs": "Kareus artifact: 1740..900 MHz in 30 MHz steps (FACTS §4)",
-            "flop_per_clock_per_sm": "inferred 1024 (FACTS §1)",
+            "sm_count": "NVIDIA A40 datasheet (anchors §1)",
+            "search freqs": "Kareus artifact: 1740..900 MHz in 30 MHz steps (anchors §4)",
+            "flop_per_clock_per_sm": "inferred 1024 (anchors §1)",
             "nvlink": "NVLink bridge between GPU pairs only; 112.5 GB/s bidirectional",
             "allreduce_busbw": "assumption: 8 GPUs over PCIe Gen4, ~20 GB/s bus bandwidth",
             "internode": "assumption: one 100 Gb/s NIC per GPU",
-            "static_power": "Kareus/Perseus constant for A40 (FACTS §1)",
-            "idle_power": "about 30 W in P8 (FACTS §1)",
+            "static_power": "Kareus/Perseus constant for A40 (anchors §1)",
+            "idle_power": "about 30 W in P8 (anchors §1)",
         },
     ),
 }

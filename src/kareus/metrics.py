@@ -1,4 +1,4 @@
-"""The paper's metrics (FACTS §4), on frontiers of (time_s, energy_j) points.
+"""The paper's metrics (docs/anchors.md §4), on frontiers of (time_s, energy_j) points.
 
 - Iso-time energy reduction: among a method's plans no slower than the reference's fastest
   plan, the lowest energy, against that reference plan's energy.

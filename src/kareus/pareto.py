@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def pareto_mask(points: Sequence[Sequence[float]]) -> list[bool]:
+def pareto_mask(points: Sequence[Sequence[float]] | np.ndarray) -> list[bool]:
     """True for each point no other point dominates (<= in both, < in one).
 
     Exact duplicates are all kept. O(n log n): sort by the first objective, sweep the

@@ -18,7 +18,7 @@ their own segments (``ln1``, ``ln2``), for example ``fwd_attn_ag``, ``fwd_attn_r
 ``fwd_ln1_ag``; when TP and CP all-gathers meet the same segment, the suffix names the group
 too (``_tpag``, ``_cpag``). Identical partitions across layers and stages share one key.
 
-Launch slots (FACTS §4): consecutive memory-bound ops merge into one slot named by the
+Launch slots (docs/anchors.md §4): consecutive memory-bound ops merge into one slot named by the
 first (``norm``, ``rope``, ``activation``); every GEMM is a ``linear`` slot and attention an
 ``attn`` slot; slots are numbered per class in execution order. Launching "before slot X"
 starts the collective when the compute stream reaches X; ``None`` means no overlap (the
@@ -202,7 +202,8 @@ class PartitionSet:
 def _collective_tags(graph: ExecutionGraph) -> dict[tuple[str, str], str]:
     """Suffix for each (kind, group) of the layer collectives; the group is named only when
     one kind occurs in several groups."""
-    colls = [op for op in (*graph.layer_forward, *graph.layer_backward) if op.is_collective]
+    colls = [op for op in (*graph.layer_forward, *graph.layer_backward)
+             if isinstance(op, Collective)]
     groups_by_kind: dict[str, set[str]] = {}
     for c in colls:
         groups_by_kind.setdefault(c.kind, set()).add(c.group)

@@ -1,7 +1,7 @@
 """Named models and jobs.
 
-Model shapes are the public Hugging Face configs (FACTS §5). Job presets `kareus-1` ...
-`kareus-10` are the ten workloads evaluated in the Kareus paper, in the order FACTS §4
+Model shapes are the public Hugging Face configs (docs/anchors.md §5). Job presets `kareus-1` ...
+`kareus-10` are the ten workloads evaluated in the Kareus paper, in the order docs/anchors.md §4
 lists them: A100 SXM4 40GB, 2 nodes x 8 GPUs, PP=2 with 15/13 layers, 8 microbatches,
 bf16, no sequence parallelism, full uniform activation recompute.
 """

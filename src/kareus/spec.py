@@ -15,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kareus.errors import SpecError
 from kareus.hardware import GPUSpec, get_gpu
 
-BYTES_PER_ELEMENT = 2  # bf16 activations, weights and gradients (FACTS §4)
+BYTES_PER_ELEMENT = 2  # bf16 activations, weights and gradients (docs/anchors.md §4)
 
-DEFAULT_SM_CHOICES_ALL_REDUCE = tuple(range(3, 31, 3))  # Kareus artifact (FACTS §4)
-DEFAULT_SM_CHOICES_GATHER_SCATTER = tuple(range(1, 21))  # Kareus artifact (FACTS §4)
+DEFAULT_SM_CHOICES_ALL_REDUCE = tuple(range(3, 31, 3))  # Kareus artifact (docs/anchors.md §4)
+DEFAULT_SM_CHOICES_GATHER_SCATTER = tuple(range(1, 21))  # Kareus artifact (docs/anchors.md §4)
 
 
 class ModelSpec(BaseModel):

@@ -3,7 +3,7 @@
 from kareus.core import LAUNCH_FIRST, PartitionSetting
 from kareus.execution import ExecutionPlan
 from kareus.partition import PartitionSet
-from kareus.runtime.layer_plan import LayerPlan
+from kareus.runtime.layer_plan import LayerPlan, layer_plan_for
 from kareus.sources import build_job
 
 JOB = build_job(overrides=dict(
@@ -62,3 +62,13 @@ def test_a_plan_without_overlap_slots_launches_nothing_early():
     ex = ExecutionPlan("seq", overlap=True, default_freq_mhz=1410, default_sms=8)
     plan = LayerPlan.from_plan(ex, PARTS)
     assert all(plan.launch_op(k) is None and plan.sms(k) == 8 for k in PARTS)
+
+
+def test_sequential_instructions_run_the_plain_layer():
+    ex = ExecutionPlan("p", overlap=True, default_freq_mhz=1410, default_slot=LAUNCH_FIRST,
+                       sequential=frozenset({(0, 1, "backward")}))
+    assert layer_plan_for(ex, PARTS, (0, 1, "backward")) is None
+    assert layer_plan_for(ex, PARTS, (0, 0, "backward")) == LayerPlan.from_plan(
+        ex, PARTS, (0, 0, "backward"))
+    megatron = ExecutionPlan("m", overlap=False, default_freq_mhz=1410)
+    assert layer_plan_for(megatron, PARTS, (0, 0, "forward")) is None

@@ -57,6 +57,10 @@ class BackendSpec:
                 raise SpecError("the replay backend needs --replay-journal JOURNAL")
             if not Path(self.replay_journal).is_file():
                 raise SpecError(f"journal not found: {self.replay_journal}")
+        if self.name == "nvml":
+            from kareus.gpu.device import ZeusDevice
+
+            ZeusDevice(self.gpu_index)  # no GPU, no Zeus: fail before any work starts
         if self.name == "emulator" and self.calibration is not None:
             from kareus.backends.emulator.params import load_params
 
@@ -114,12 +118,16 @@ def nominal_cost_model(job: JobSpec, calibration: str | Path | None = None) -> C
     return EmulatorBackend(job, calibration=calibration)
 
 
+def check_prior(name: str | None) -> None:
+    if name not in (None, *PRIORS):
+        raise SpecError(f"unknown prior {name!r}; available: {', '.join(PRIORS)}")
+
+
 def open_prior(name: str | None, job: JobSpec) -> CostModel | None:
+    check_prior(name)
     if name in (None, "none"):
         return None
-    if name == "emulator":
-        return nominal_cost_model(job)
-    raise SpecError(f"unknown prior {name!r}; available: {', '.join(PRIORS)}")
+    return nominal_cost_model(job)
 
 
 def plan_simulator(job: JobSpec, calibration: str | Path | None = None) -> PlanSimulator:

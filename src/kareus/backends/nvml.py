@@ -1,6 +1,6 @@
 """The real-GPU backend: a partition's real kernels, measured with the GPU's energy counter.
 
-Measurement protocol (FACTS §4, configurable): lock the clock (only with
+Measurement protocol (docs/anchors.md §4, configurable): lock the clock (only with
 --allow-clock-changes) and wait `settle_s` after a change; warm up; repeat the partition
 for at least `window_s` seconds between two reads of the energy counter; wait
 `cooldown_s`. Time and energy per run are the window's totals over the repetitions.

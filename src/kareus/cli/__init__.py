@@ -48,7 +48,7 @@ def _usage_error_types() -> tuple[type[Exception], ...]:
     # Typer bundles its own click since 0.2x; older releases raise click's exceptions.
     types: list[type[Exception]] = []
     try:
-        from typer.exceptions import TyperException  # type: ignore[attr-defined]
+        from typer.exceptions import TyperException
 
         types.append(TyperException)
     except ImportError:

@@ -1,7 +1,7 @@
 """Commands that measure or simulate on one backend: measure, sweep, simulate, calibrate."""
 
 
-from typing import Annotated, Optional
+from typing import Annotated, Optional, TypedDict
 
 import typer
 
@@ -28,6 +28,19 @@ from kareus.partition import PartitionSet
 from kareus.search.loop import SearchConfig, run_search
 from kareus.search.space import KnobSpace
 from kareus.spec import JobSpec
+
+
+class _SweepPoint(TypedDict):
+    """One setting of a sweep and its measurement, as written to JSON."""
+
+    freq_mhz: int
+    sms: int
+    slot: str | None
+    time_s: float
+    energy_j: float
+    dynamic_energy_j: float
+    avg_power_w: float
+
 
 PartitionOpt = Annotated[str, typer.Option("--partition", help="Partition key.")]
 
@@ -78,7 +91,7 @@ def sweep(job: JobSpec, backend: BackendSpec, partition: PartitionOpt,
         result = run_search(p, be, job.freqs_mhz, SearchConfig(strategy="exhaustive"))
     space = KnobSpace(p, job.freqs_mhz, job.gpu_spec.max_freq_mhz)
     by_knobs = {s.knobs: s.measurement for s in result.samples}
-    points = [{"freq_mhz": k.freq_mhz, "sms": k.sms, "slot": k.slot,
+    points: list[_SweepPoint] = [{"freq_mhz": k.freq_mhz, "sms": k.sms, "slot": k.slot,
                "time_s": by_knobs[k].time_s, "energy_j": by_knobs[k].energy_j,
                "dynamic_energy_j": by_knobs[k].dynamic_energy_j,
                "avg_power_w": by_knobs[k].avg_power_w} for k in space.settings]

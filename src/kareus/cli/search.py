@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.factory import PRIORS, BackendSpec
+from kareus.backends.factory import BackendSpec, check_prior
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
@@ -85,15 +85,10 @@ def search(
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           initial=initial, batch_size=batch_size, tolerance=tolerance,
                           patience=patience)
-    if prior not in PRIORS:
-        raise KareusError(f"unknown prior {prior!r}; available: {', '.join(PRIORS)}")
+    check_prior(prior)
     for key in keys:  # unknown keys and bad settings fail before any work starts
         config.check(ps[key].knob_space_size(len(job.freqs_mhz)), prior != "none")
     backend.check(job)
-    if backend.name == "nvml":
-        from kareus.gpu.device import ZeusDevice
-
-        ZeusDevice(backend.gpu_index)  # no GPU, no Zeus: fail before any work starts
     check_journal(journal)
     tasks = [make_task(job, key, config, backend, journal,
                        None if prior == "none" else prior) for key in keys]
@@ -173,4 +168,8 @@ def profile(
     check_journal(journal)
     bar, update = progress_bars(list(partition))
     with bar:
-        run_profile(job, partition, journal, spec, progress=update)
+        results = run_profile(job, partition, journal, spec, progress=update)
+    measured = sum(r.measured_this_run for r in results)
+    reused = sum(r.reused_from_journal for r in results)
+    console.print(f"profiled {len(results)} partitions: {measured} settings measured, "
+                  f"{reused} already in {journal}")

@@ -27,7 +27,7 @@ from kareus.errors import SpecError
 from kareus.methods import Method
 from kareus.partition import PartitionSet
 from kareus.workload.layer import backward_ops, forward_ops
-from kareus.workload.ops import Op
+from kareus.workload.ops import Collective, Op
 
 KeyFrontiers = dict[str, dict[int, list[KeyOption]]]
 """Per partition key, per clock: Pareto options from the search."""
@@ -65,7 +65,7 @@ class Composer:
         if method.needs_search and fronts is None:
             raise SpecError(f"{method.name} needs the partitions' search results")
         freqs = (self.f_max,) if method.clocks == "max" else self.freqs
-        out = {}
+        out: InstructionOptions = {}
         for stage in range(self.ps.job.pp):
             for d in DIRECTIONS:
                 opts: list[InstructionOption] = []
@@ -99,9 +99,9 @@ class Composer:
         """Megatron-LM: the whole microbatch, collectives blocking, default SMs."""
         job, b = self.ps.job, self.backend
         if self._megatron_layer is None:
-            fwd = forward_ops(job, sequences=job.micro_batch_size)
-            bwd = backward_ops(job, fwd, sequences=job.micro_batch_size)
-            self._megatron_layer = (tuple(fwd), tuple(bwd))
+            fwd_ops = forward_ops(job, sequences=job.micro_batch_size)
+            bwd_ops = backward_ops(job, fwd_ops, sequences=job.micro_batch_size)
+            self._megatron_layer = (tuple(fwd_ops), tuple(bwd_ops))
         fwd, bwd = self._megatron_layer
         g = self.ps.graph.stages[stage]
         if d == "forward":
@@ -142,7 +142,7 @@ class Composer:
         for g in self.ps.graph.stages:
             sends = {op.name: b.measure_ops((op,), self.f_max)
                      for op in (*g.forward_post, *g.backward_post)
-                     if op.is_collective and op.group == "pp"}
+                     if isinstance(op, Collective) and op.group == "pp"}
             act.append(sends["send_activation"].time_s if "send_activation" in sends else 0.0)
             grad.append(sends["send_grad"].time_s if "send_grad" in sends else 0.0)
             e = b.measure_ops(g.iteration_end, self.f_max) if g.iteration_end else None

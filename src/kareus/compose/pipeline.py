@@ -147,7 +147,7 @@ def _spec_builder(unit: float) -> Callable[[list[tuple[float, float]]], Any]:
     from lowtime.cost_model import CostModel
     from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
 
-    class HullCost(CostModel):  # type: ignore[misc]
+    class HullCost(CostModel):
         """Piecewise-linear through the lower convex hull of the options: exact at the
         hull's vertices, convex as Phillips-Dessouky needs."""
 

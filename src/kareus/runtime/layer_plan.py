@@ -59,3 +59,13 @@ class LayerPlan:
         freq = plan.freq(*instruction)
         settings = {k: plan.choice(k, freq, default_sms, instruction) for k in partitions}
         return cls.from_partitions(partitions, settings)
+
+
+def layer_plan_for(plan: ExecutionPlan, partitions: Mapping[str, Partition],
+                   instruction: InstructionId, default_sms: int = 32) -> LayerPlan | None:
+    """What the layer runs for ``instruction``: its `LayerPlan`, or None where the plan runs
+    the instruction Megatron-style (the plain layer, microbatch not split)."""
+    stage, microbatch, direction = instruction
+    if plan.runs_sequential(stage, direction, microbatch):
+        return None
+    return LayerPlan.from_plan(plan, partitions, instruction, default_sms)

@@ -87,13 +87,14 @@ def select_batch(cands: Candidates, observed_time: np.ndarray, observed_dyn: np.
 
 
 def _hv_pass(cands, obs_t, obs_d, static_w, name, want, taken, reference) -> list[int]:
-    """Reference point: "worst" is the artifact's 1.1 x the worst observed values (FACTS
+    """Reference point: "worst" is the artifact's 1.1 x the worst observed values (docs/anchors.md
     §4); "front" (default) normalises by the current front's ideal and nadir points and
     puts the reference 10% beyond the nadir, so improvements are scored where the frontier
     is, including its two ends, rather than in the far corner of bad settings."""
     observed = _objectives(obs_t, obs_d, static_w, name)
     front = observed[np.asarray(pareto_mask(observed))]
-    pred = _objectives(*cands.optimistic(), static_w, name)
+    t_opt, d_opt = cands.optimistic()
+    pred = _objectives(t_opt, d_opt, static_w, name)
     if reference == "worst":
         lo, span = np.zeros(2), observed.max(axis=0)
     else:
@@ -119,7 +120,7 @@ def _per_frequency_pass(cands, obs_t, obs_f, want, taken) -> list[int]:
     time measured at that clock by the largest margin. Dynamic energy hardly depends on the
     other knobs at a fixed clock, so each clock's fastest setting is a frontier point."""
     t_opt, _ = cands.optimistic()
-    best = {}
+    best: dict[float, float] = {}
     for t, f in zip(obs_t, obs_f):
         best[f] = min(best.get(f, np.inf), t)
     gain = np.array([(best.get(f, np.inf) - t) / t for t, f in zip(t_opt, cands.freq_mhz)])

@@ -38,7 +38,7 @@ def initial_design(space: KnobSpace, n: int, rng: np.random.Generator,
         lap = i // len(freqs)
         sm = sms[n_order[(i + lap) % len(sms)]]
         slot = slots[s_order[(i + 2 * lap + i // len(sms)) % len(slots)]]
-        idx = space.index[Knobs(f, sm, slot)]
+        idx: int | None = space.index[Knobs(f, sm, slot)]
         if idx in taken:
             free = [j for j, k in enumerate(space.settings)
                     if k.freq_mhz == f and j not in taken]

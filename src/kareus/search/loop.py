@@ -43,7 +43,7 @@ class SearchConfig:
     shares: tuple[float, ...] = (0.3, 0.15, 0.1, 0.15, 0.3)
     """Batch shares of the passes hv_total, hv_dynamic, fastest, uncertainty and
     per_frequency. The published system uses (0.4, 0.2, 0.2, 0.2, 0) with the "worst"
-    reference (FACTS §4); ours reaches the frontier with fewer measurements
+    reference (docs/anchors.md §4); ours reaches the frontier with fewer measurements
     (benchmarks/search_efficiency.py)."""
     tolerance: float = 0.002
     """Stop when the hypervolume improved by less than this fraction over ``patience``
@@ -234,6 +234,8 @@ def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...
     budget = len(space) if config.strategy == "exhaustive" else min(config.budget, len(space))
     rec = _Recorder(partition, backend, journal, job_id, budget, progress, record)
     rec.preload(space)
+    if progress is not None:
+        progress(len(rec.samples), budget)  # what the journal already holds
     rng = np.random.default_rng(config.seed)
     history: list[tuple[int, float]] = []
     stopped = "budget"

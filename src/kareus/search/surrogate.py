@@ -15,7 +15,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SurrogateConfig:
-    """Defaults are the published Kareus settings (FACTS §4)."""
+    """Defaults are the published Kareus settings (docs/anchors.md §4)."""
 
     n_models: int = 5
     max_depth: int = 6

@@ -1,6 +1,6 @@
 """Op lists of one Llama-style decoder layer, one nanobatch, one TP rank.
 
-The layer is laid out as Megatron-Core with TransformerEngine runs it (FACTS §5):
+The layer is laid out as Megatron-Core with TransformerEngine runs it (docs/anchors.md §5):
 RMSNorm -> QKV (column parallel) -> [q/k RMSNorm] -> rotary -> [CP all-gather of K, V] ->
 causal flash attention -> output projection (row parallel) -> TP all-reduce (or, with
 sequence parallelism, reduce-scatter) -> residual + RMSNorm -> [SP all-gather] -> FC1

@@ -1,4 +1,4 @@
-"""Public anchors (FACTS.md) next to the emulator's values: `kareus calibrate`.
+"""Public anchors (docs/anchors.md) next to the emulator's values: `kareus calibrate`.
 
 Each anchor names its source, the published value, the emulated value and the relative
 error; tests bound every error (tests/backends/emulator/test_anchors.py).
@@ -63,9 +63,9 @@ def gemm_anchor(calibration=None) -> list[Anchor]:
     op = gemm("gemm_8192", 8192, 8192, 8192)
     m = b.predict_ops((op,), 1410)
     return [
-        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, throughput", "FACTS §1 (random inputs)",
+        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, throughput", "anchors §1 (random inputs)",
                "TFLOP/s", 258.0, op.flops / m.time_s / 1e12),
-        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, power", "FACTS §1 (at the 400 W limit)",
+        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, power", "anchors §1 (at the 400 W limit)",
                "W", 400.0, m.avg_power_w),
     ]
 
@@ -75,9 +75,9 @@ def memory_anchor(calibration=None) -> list[Anchor]:
     op = ComputeOp("stream_1GiB", "memory", 0.0, float(1024 * MiB), "other")
     hi, lo = b.predict_ops((op,), 1410), b.predict_ops((op,), 900)
     return [
-        Anchor("A100 memory-bound kernel, time at 900 / at 1410 MHz", "FACTS §2 (flat)",
+        Anchor("A100 memory-bound kernel, time at 900 / at 1410 MHz", "anchors §2 (flat)",
                "ratio", 1.0, lo.time_s / hi.time_s),
-        Anchor("A100 memory-bound kernel at full utilisation, power", "FACTS §1 (~327 W)",
+        Anchor("A100 memory-bound kernel at full utilisation, power", "anchors §1 (~327 W)",
                "W", 327.0, hi.avg_power_w),
     ]
 
@@ -98,7 +98,7 @@ def a40_profile_anchor(calibration=None) -> list[Anchor]:
     f1740, f1710 = instr("forward", 1740), instr("forward", 1710)
     b1740, b1710 = instr("backward", 1740), instr("backward", 1710)
     b690, b660 = instr("backward", 690), instr("backward", 660)
-    src = "FACTS §2, Perseus A40 profile"
+    src = "anchors §2, Perseus A40 profile"
     return [
         Anchor("A40 forward at 1740 MHz, mean power", src, "W", 304.0, f1740.avg_power_w),
         Anchor("A40 forward time, 1710 / 1740 MHz", src, "ratio", 0.0938 / 0.0937,
@@ -122,7 +122,7 @@ def nccl_anchor(calibration=None) -> list[Anchor]:
     out = []
     for ctas, published in ((8, 105.0), (16, 181.0), (32, 206.0)):
         m = b.predict_ops((rs,), 1410, sms=ctas)
-        out.append(Anchor(f"A100 8-GPU ReduceScatter 32 MiB, {ctas} CTAs", "FACTS §3",
+        out.append(Anchor(f"A100 8-GPU ReduceScatter 32 MiB, {ctas} CTAs", "anchors §3",
                           "GB/s algbw", published, rs.bytes_ / m.time_s / 1e9))
     return out
 
@@ -132,7 +132,7 @@ def comm_power_anchor(calibration=None) -> list[Anchor]:
     ar = Collective("ar_96MiB", "all_reduce", "tp", 8, float(96 * MiB))
     m = b.predict_ops((ar,), 1410, sms=32)
     return [Anchor("A100 communication-only power (AllReduce 96 MiB, 32 CTAs)",
-                   "FACTS §3 (close to the 85 W static power)", "W", 85.0, m.avg_power_w)]
+                   "anchors §3 (close to the 85 W static power)", "W", 85.0, m.avg_power_w)]
 
 
 def overlap_anchor(calibration=None) -> list[Anchor]:
@@ -143,18 +143,18 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
     alone = h100.predict_ops((g,), 1980)
     gemm_time = _compute_stream_time(h100, (g,), ag, 24)
-    out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "FACTS §3",
+    out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "anchors §3",
                       "x", 2.0, gemm_time / alone.time_s))
     h200 = _backend("H200", calibration)
     g = gemm("gemm_8192x3072x3072", 8192, 3072, 3072)
-    alone = h200.predict_ops((g,), 1980).time_s
+    alone_s = h200.predict_ops((g,), 1980).time_s
     sr = Collective("sendrecv", "send_recv", "pp", 2, float(256 * MiB))
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
     for name, coll, ctas, published in (("SendRecv (8 CTAs)", sr, 8, 1.155),
                                         ("AllGather (24 CTAs)", ag, 24, 1.287)):
         t = _compute_stream_time(h200, (g,), coll, ctas)
-        out.append(Anchor(f"H200 8192x3072x3072 GEMM under {name}, slowdown", "FACTS §3",
-                          "x", published, t / alone))
+        out.append(Anchor(f"H200 8192x3072x3072 GEMM under {name}, slowdown", "anchors §3",
+                          "x", published, t / alone_s))
     return out
 
 
@@ -167,7 +167,7 @@ def _compute_stream_time(b: EmulatorBackend, ops, coll: Collective, sms: int) ->
 def hopper_clock_anchor(calibration=None) -> list[Anchor]:
     b = _backend("H200", calibration)
     m = b.predict_ops((gemm("gemm_8192", 8192, 8192, 8192),), 1830)
-    return [Anchor("H200 GEMM at a locked 1830 MHz, sustained clock at 700 W", "FACTS §1",
+    return [Anchor("H200 GEMM at a locked 1830 MHz, sustained clock at 700 W", "anchors §1",
                    "MHz", 1500.0, m.effective_freq_mhz)]
 
 
@@ -177,7 +177,7 @@ def iteration_anchor(calibration=None) -> list[Anchor]:
     b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, job.gpu)
                         else None)
     r = IterationSimulator(ps, b).run(ExecutionPlan("megatron", False, 1410))
-    src = "FACTS §5, Kareus artifact prediction (sanity range +-20%)"
+    src = "anchors §5, Kareus artifact prediction (sanity range +-20%)"
     return [
         Anchor("kareus-1 Megatron iteration time at max clock", src, "s", 5.1, r.time_s),
         Anchor("kareus-1 Megatron mean power per GPU", src, "W", 275.0,

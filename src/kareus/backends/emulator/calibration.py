@@ -21,8 +21,12 @@ from kareus.backends.base import Backend
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.params import EmulatorParams
 from kareus.core import Knobs, Measurement
-from kareus.partition import PartitionSet
+from kareus.partition import Partition, PartitionSet
 from kareus.spec import JobSpec
+from kareus.workload.ops import Op
+
+CalibrationItem = tuple[str, str, tuple[Partition, Knobs] | Op]
+"""(label, kind, what): a partition at a setting (kind "partition"), or one op."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,8 @@ class CalibrationRow:
                 "energy_rel_error": self.energy_error}
 
 
-def calibration_set(ps: PartitionSet, freq_mhz: int) -> list[tuple[str, str, object]]:
-    items: list[tuple[str, str, object]] = []
+def calibration_set(ps: PartitionSet, freq_mhz: int) -> list[CalibrationItem]:
+    items: list[CalibrationItem] = []
     for p in ps.partitions.values():
         sms = sorted(p.sm_choices)[len(p.sm_choices) // 2]
         slot = p.slots[min(1, len(p.slots) - 1)].name
@@ -69,7 +73,7 @@ def measure_and_compare(job: JobSpec, real_backend: Backend, freq_mhz: int,
     emu = emulator or EmulatorBackend(job)
     rows = []
     for label, kind, what in calibration_set(ps, freq_mhz):
-        if kind == "partition":
+        if isinstance(what, tuple):  # kind == "partition"
             p, knobs = what
             real, sim = real_backend.measure(p, knobs), emu.predict(p, knobs)
         else:

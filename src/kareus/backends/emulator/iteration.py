@@ -25,7 +25,7 @@ from kareus.partition import PartitionSet
 from kareus.schedule import one_f_one_b, schedule
 from kareus.workload.graph import StageGraph
 from kareus.workload.layer import backward_ops, forward_ops
-from kareus.workload.ops import Op
+from kareus.workload.ops import Collective, Op
 
 
 @dataclass
@@ -54,8 +54,9 @@ class IterationResult:
     def to_dict(self, with_instructions: bool = False) -> dict:
         stages = []
         for s in self.stages:
-            d = {"stage": s.index, "busy_s": s.busy_s, "idle_s": self.time_s - s.busy_s,
-                 "end_s": s.end_s, "dynamic_energy_j_per_gpu": s.dynamic_energy_j}
+            d: dict[str, object] = {
+                "stage": s.index, "busy_s": s.busy_s, "idle_s": self.time_s - s.busy_s,
+                "end_s": s.end_s, "dynamic_energy_j_per_gpu": s.dynamic_energy_j}
             if with_instructions:
                 d["instructions"] = s.instructions
             stages.append(d)
@@ -114,6 +115,7 @@ class IterationSimulator:
         total = ZERO
         for step in self.ps.layouts[(stage, direction)].steps:
             if step.kind == "partition":
+                assert step.key is not None
                 sms, slot = chosen[step.key]
                 total = total + b.predict(self.ps[step.key], Knobs(freq_mhz, sms, slot))
             else:
@@ -123,9 +125,9 @@ class IterationSimulator:
     def _sequential(self, stage: int, direction: str, freq_mhz: int) -> Measurement:
         """Megatron-LM: the whole microbatch, collectives blocking, default SMs."""
         if self._megatron_layer is None:
-            fwd = forward_ops(self.job, sequences=self.job.micro_batch_size)
-            bwd = backward_ops(self.job, fwd, sequences=self.job.micro_batch_size)
-            self._megatron_layer = (tuple(fwd), tuple(bwd))
+            fwd_ops = forward_ops(self.job, sequences=self.job.micro_batch_size)
+            bwd_ops = backward_ops(self.job, fwd_ops, sequences=self.job.micro_batch_size)
+            self._megatron_layer = (tuple(fwd_ops), tuple(bwd_ops))
         fwd, bwd = self._megatron_layer
         g: StageGraph = self.ps.graph.stages[stage]
         b = self.backend
@@ -149,7 +151,7 @@ class IterationSimulator:
         # energy is the sender's.
         sends = {s.index: {op.name: b.predict_ops((op,), plan.default_freq_mhz)
                            for op in (*s.forward_post, *s.backward_post)
-                           if op.is_collective and op.group == "pp"} for s in stages}
+                           if isinstance(op, Collective) and op.group == "pp"} for s in stages}
         ends = [b.predict_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
                 for g in stages]
         costs: dict = {}

@@ -1,7 +1,7 @@
 """Constants of the emulator's kernel, collective and power models, per GPU.
 
 Public hardware facts live in `kareus.hardware`; this module holds the *model* constants
-fitted to the public measurements in FACTS.md (each with its source) and documented in
+fitted to the public measurements in docs/anchors.md (each with its source) and documented in
 docs/emulator.md. A calibration file (`--calibration FILE`) can override any of them.
 """
 
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from kareus.errors import SpecError
 from kareus.hardware import GPUSpec
 from kareus.jsonfile import read_json_object
 
-# NanoFlow (FACTS §3): a memory-bound GEMV given a share of the GPU's SMs runs at this share
+# NanoFlow (anchors §3): a memory-bound GEMV given a share of the GPU's SMs runs at this share
 # of its full speed.
 MEMORY_SM_SHARE = ((0.0, 0.0), (0.1, 0.25), (0.2, 0.40), (0.3, 0.50), (0.5, 0.70),
                    (0.7, 0.85), (0.9, 0.95), (1.0, 1.0))
@@ -28,7 +29,7 @@ class EmulatorParams:
     """cuBLAS/CUTLASS large-tile shape; each tile is one CTA on one SM (wave quantisation)."""
     gemm_efficiency: float = 0.95
     """Fraction of peak tensor throughput at the set clock: 295 of 312 TFLOP/s for an A100
-    bf16 GEMM on all-zero inputs, i.e. without power throttling (FACTS §1)."""
+    bf16 GEMM on all-zero inputs, i.e. without power throttling (anchors §1)."""
     attention_efficiency: float = 0.62
     """Flash attention forward, fraction of peak (FlashAttention-2 on A100, ~190 TFLOP/s)."""
     attention_bwd_efficiency: float = 0.50
@@ -37,14 +38,14 @@ class EmulatorParams:
     memory_issue_fraction: float = 0.35
     """A memory-bound kernel's instruction-issue time at max clock, as a fraction of its
     memory time: it becomes clock-bound only below ~35% of max clock, so its time is nearly
-    independent of the clock in the search range (FACTS §2)."""
+    independent of the clock in the search range (anchors §2)."""
     launch_overhead_s: float = 4e-6
     """GPU-side gap between two back-to-back kernels on one stream."""
 
     # Collectives ---------------------------------------------------------------------------
     coll_cta_busbw_bytes_s: float = 12.6e9
     """Bus bandwidth one NCCL channel (CTA) moves at max clock. Fit of the 8-GPU A100
-    ReduceScatter rows (FACTS §3): algorithm bandwidth ((n b)^-6 + B^-6)^(-1/6) with
+    ReduceScatter rows (anchors §3): algorithm bandwidth ((n b)^-6 + B^-6)^(-1/6) with
     b = 14.4 GB/s, B = 236 GB/s plus 23 us latency fits all six points within 1.8%;
     bus = algorithm x 7/8."""
     coll_link_busbw_bytes_s: float = 206.5e9
@@ -53,21 +54,21 @@ class EmulatorParams:
     """Exponent p of the smooth minimum between CTA-limited and link-limited bandwidth."""
     coll_step_latency_s: float = 23e-6 / 7
     """Latency per ring step (the fit's 23 us over the 7 steps of an 8-GPU reduce-scatter;
-    an all-reduce has 2(n-1) steps). NCCL's own base latencies are 6.6-14 us (FACTS §3)."""
+    an all-reduce has 2(n-1) steps). NCCL's own base latencies are 6.6-14 us (anchors §3)."""
     coll_clock_exponent: float = 0.6
-    """Per-CTA rate ~ (f / f_max)^g. No public data; FACTS §3 bounds g to 0.5..1."""
+    """Per-CTA rate ~ (f / f_max)^g. No public data; anchors §3 bounds g to 0.5..1."""
     coll_hbm_per_bus_byte: float = 3.0
     """HBM bytes per bus byte for reducing collectives (write received, read received and
     local); gathers and P2P move 2 (write received, read to forward)."""
     default_comm_sms: int = 32
     """NCCL channels a collective uses when nobody tunes it (Megatron configures maxCTAs 32,
-    FACTS §3)."""
+    anchors §3)."""
     p2p_latency_s: float = 10e-6
 
     # Power -----------------------------------------------------------------------------------
     sm_dynamic_power_w: float = 385.0
     """Dynamic power of all SMs running tensor-core GEMM at max clock and max voltage.
-    Solved so an A100 bf16 GEMM at 1410 MHz throttles at 400 W to ~258 TFLOP/s (FACTS §1)."""
+    Solved so an A100 bf16 GEMM at 1410 MHz throttles at 400 W to ~258 TFLOP/s (anchors §1)."""
     hbm_power_w: float = 50.0
     """DRAM + memory-controller power at full HBM bandwidth."""
     link_power_w: float = 3.0
@@ -78,12 +79,12 @@ class EmulatorParams:
     activity_attention: float = 0.8
     activity_memory: float = 1.05
     """Scaled by the issue-busy fraction (~0.35 at max clock): an A100 memory-bound kernel
-    at full utilisation then draws ~327 W (FACTS §1)."""
+    at full utilisation then draws ~327 W (anchors §1)."""
     activity_collective: float = 0.05
     """Collective CTAs mostly spin on flags: communication-only intervals stay close to
-    static power (FACTS §3)."""
+    static power (anchors §3)."""
     voltage_floor: float = 0.7
-    """V(f) / V(f_max) below the knee: voltage is flat at ~0.7 V (FACTS §2)."""
+    """V(f) / V(f_max) below the knee: voltage is flat at ~0.7 V (anchors §2)."""
     voltage_knee_fraction: float = 0.45
     """Knee of the V-f curve as a fraction of max clock; above it V rises quadratically to
     1 at max clock, so dynamic power ~ V^2 f is convex in f."""
@@ -96,11 +97,11 @@ def default_params(gpu: GPUSpec) -> EmulatorParams:
         return EmulatorParams()
     if gpu.name in ("H100-SXM", "H200"):
         return EmulatorParams(
-            # NCCL cost model per-channel caps: Hopper 36.7 vs Ampere 20 GB/s (FACTS §3)
+            # NCCL cost model per-channel caps: Hopper 36.7 vs Ampere 20 GB/s (anchors §3)
             coll_cta_busbw_bytes_s=12.6e9 * 36.7 / 20,
             # the A100 fit's saturation is 0.92 of its achieved AllReduce bus bandwidth
             coll_link_busbw_bytes_s=0.92 * gpu.allreduce_busbw_bytes_s,
-            # solved so a GEMM at 700 W sustains ~1500 MHz (FACTS §1, H200 report)
+            # solved so a GEMM at 700 W sustains ~1500 MHz (anchors §1, H200 report)
             sm_dynamic_power_w=950.0,
             hbm_power_w=90.0,
             link_power_w=15.0,
@@ -110,7 +111,7 @@ def default_params(gpu: GPUSpec) -> EmulatorParams:
             gemm_tile_n=128,
             coll_cta_busbw_bytes_s=2.5e9,
             coll_link_busbw_bytes_s=0.92 * gpu.allreduce_busbw_bytes_s,
-            # solved so the Perseus A40 stage runs at its 300 W limit at 1740 MHz (FACTS §2)
+            # solved so the Perseus A40 stage runs at its 300 W limit at 1740 MHz (anchors §2)
             sm_dynamic_power_w=380.0,
             hbm_power_w=35.0,
             link_power_w=5.0,
@@ -130,7 +131,7 @@ def load_params(gpu: GPUSpec, path: str | Path | None) -> EmulatorParams:
     if doc.get("gpu") not in (None, gpu.name):
         raise SpecError(f"calibration file {p} is for {doc.get('gpu')}, not {gpu.name}")
     known = {f.name: f.type for f in fields(EmulatorParams)}
-    overrides = {}
+    overrides: dict[str, Any] = {}  # field name -> int or float, per the field's type
     for key, value in doc["emulator_params"].items():
         if key not in known:
             raise SpecError(f"calibration file {p}: unknown parameter {key!r}")

@@ -25,7 +25,7 @@ _SHARE_Y = np.array([y for _, y in MEMORY_SM_SHARE])
 
 
 def bus_factor(kind: str, ranks: int) -> float:
-    """nccl-tests bus bandwidth / algorithm bandwidth (FACTS §3)."""
+    """nccl-tests bus bandwidth / algorithm bandwidth (docs/anchors.md §3)."""
     if kind == "all_reduce":
         return 2.0 * (ranks - 1) / ranks
     if kind in ("all_gather", "reduce_scatter"):

@@ -14,13 +14,15 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.workload.ops import Collective, ComputeOp, Op
 
 # Item kinds: ("gap", seconds) fixed idle time; ("op", ComputeOp); ("lat", seconds)
 # collective latency; ("xfer", Collective) collective transfer.
-Item = tuple[str, object]
+Item = (tuple[Literal["gap", "lat"], float] | tuple[Literal["op"], ComputeOp]
+        | tuple[Literal["xfer"], Collective])
 
 
 @dataclass(frozen=True)
@@ -160,18 +162,17 @@ class Timeline:
         ph = self.ph
         n = ph.n_sm
         side_kind = side[0] if side is not None else None
-        main_kind = main[0] if main is not None else None
         power = self.static_power_w
         hbm = 0.0
         d_main = d_side = 0.0
         side_holds = side_sms if side_kind in ("lat", "xfer") else 0
 
-        if main_kind == "op":
-            op: ComputeOp = main[1]  # type: ignore[assignment]
+        if main is not None and main[0] == "op":
+            op = main[1]
             sms = n - side_holds
             alloc_main = alloc_side = ph.hbm_bw
-            if side_kind == "xfer":
-                coll: Collective = side[1]  # type: ignore[assignment]
+            if side is not None and side[0] == "xfer":
+                coll = side[1]
                 inter = coll.group in self.internode_groups
                 alloc_main, alloc_side = ph.share_hbm(
                     ph.compute_hbm_demand(op, f, sms),
@@ -180,13 +181,13 @@ class Timeline:
             d_main = r.duration_s
             power += r.sm_power_w
             hbm += r.hbm_bytes_s
-        elif main_kind in ("gap", "lat"):
-            d_main = main[1]  # type: ignore[assignment]
+        elif main is not None and main[0] in ("gap", "lat"):
+            d_main = main[1]
             alloc_side = ph.hbm_bw
-            if main_kind == "lat":
+            if main[0] == "lat":
                 power += ph.coll_latency_power(blocking_sms, f)
-        elif main_kind == "xfer":
-            coll = main[1]  # type: ignore[assignment]
+        elif main is not None and main[0] == "xfer":
+            coll = main[1]
             inter = coll.group in self.internode_groups
             r = ph.coll_rate(coll, f, blocking_sms, ph.hbm_bw, inter)
             d_main = r.duration_s
@@ -196,11 +197,11 @@ class Timeline:
         else:
             alloc_side = ph.hbm_bw
 
-        if side_kind == "lat":
-            d_side = side[1]  # type: ignore[assignment]
+        if side is not None and side[0] == "lat":
+            d_side = side[1]
             power += ph.coll_latency_power(side_sms, f)
-        elif side_kind == "xfer":
-            coll = side[1]  # type: ignore[assignment]
+        elif side is not None and side[0] == "xfer":
+            coll = side[1]
             inter = coll.group in self.internode_groups
             r = ph.coll_rate(coll, f, side_sms, alloc_side, inter)
             d_side = r.duration_s
