@@ -38,6 +38,9 @@ class GPUSpec:
     static_power_w: float
     """Power of a GPU blocked in communication (what Kareus/Perseus subtract)."""
     idle_power_w: float
+    nccl_channels: int = 32
+    """Channels (one CTA each) NCCL gives a collective inside one node when nothing sets
+    NCCL_MIN_CTAS / NCCL_MAX_CTAS: what Megatron-LM's collectives run with (anchors §3)."""
     search_freq_step_mhz: int = 30
     search_min_freq_mhz: int = 900
     notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -77,6 +80,9 @@ _A100_NOTES = {
     "internode": "assumption: one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)",
     "static_power": "Kareus/Perseus constant for A100, GPU blocked in communication (anchors §1)",
     "idle_power": "about 60 W at 210 MHz (anchors §1)",
+    "nccl_channels": "24 coll channels in NCCL_DEBUG=INFO logs of 8-GPU NVSwitch A100 nodes; "
+                     "NCCL's topology search sizes channels by each GPU's NVLink bandwidth, "
+                     "so 2-, 4- and 8-GPU groups inside the node get the same (anchors §3)",
 }
 
 _HOPPER_NOTES = {
@@ -89,6 +95,8 @@ _HOPPER_NOTES = {
     "static_power": "assumption: not published; 115 W chosen inside the 90-145 W range "
                     "(anchors §1)",
     "idle_power": "about 140 W with memory allocated, P0 (anchors §1)",
+    "nccl_channels": "32 coll channels in NCCL_DEBUG=INFO logs of 8-GPU NVSwitch H100 nodes, "
+                     "the same for smaller groups inside the node (anchors §3)",
 }
 
 _CATALOG: dict[str, GPUSpec] = {
@@ -106,6 +114,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nccl_channel_cap_bytes_s=20 * _GB,
         internode_bytes_s=25 * _GB,
         static_power_w=85.0,
+        nccl_channels=24,
         idle_power_w=60.0,
         notes=_A100_NOTES,
     ),
@@ -123,6 +132,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nccl_channel_cap_bytes_s=20 * _GB,
         internode_bytes_s=25 * _GB,
         static_power_w=85.0,
+        nccl_channels=24,
         idle_power_w=60.0,
         notes={**_A100_NOTES, "hbm": "A100 SXM4 80GB datasheet: 2039 GB/s (anchors §1)"},
     ),
@@ -140,6 +150,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nccl_channel_cap_bytes_s=36.7 * _GB,
         internode_bytes_s=50 * _GB,
         static_power_w=115.0,
+        nccl_channels=32,
         idle_power_w=140.0,
         search_min_freq_mhz=1260,
         notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (anchors §1)"},
@@ -158,6 +169,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nccl_channel_cap_bytes_s=36.7 * _GB,
         internode_bytes_s=50 * _GB,
         static_power_w=115.0,
+        nccl_channels=32,
         idle_power_w=140.0,
         search_min_freq_mhz=1260,
         notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (anchors §1)"},
@@ -186,6 +198,7 @@ _CATALOG: dict[str, GPUSpec] = {
             "internode": "assumption: one 100 Gb/s NIC per GPU",
             "static_power": "Kareus/Perseus constant for A40 (anchors §1)",
             "idle_power": "about 30 W in P8 (anchors §1)",
+            "nccl_channels": "assumption: no public log for PCIe A40 nodes; Megatron's maxCTAs",
         },
     ),
 }

@@ -28,6 +28,7 @@ collective starts after the partition's last compute op).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +37,7 @@ from kareus.core import DIRECTIONS, LAUNCH_FIRST
 from kareus.errors import SpecError
 from kareus.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
+from kareus.workload.layer import backward_ops, forward_ops
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
 
 
@@ -112,17 +114,57 @@ class Partition:
         }
 
 
-StepKind = Literal["op", "solo", "partition", "exposed"]
+StepKind = Literal["op", "solo", "partition", "exposed", "overlap"]
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step of an instruction: an outside op, a solo segment, a partition, or an
-    exposed collective. ``ops`` holds the op(s); ``key`` the partition key for partitions."""
+    """One step of an instruction: ops back to back (an outside op, a solo segment, an
+    exposed collective), a searched partition (``key``), or an "overlap": a weight gradient
+    GEMM with the input-gradient collective Megatron runs beside it (``unit``, measured as
+    a partition at the backend's default SMs, never searched)."""
 
     kind: StepKind
     ops: tuple[Op, ...]
     key: str | None = None
+    unit: Partition | None = None
+
+
+def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = False
+                   ) -> list[Step]:
+    """Ops as Megatron-LM runs them: back to back, every collective blocking the compute
+    stream, except an input-gradient collective (`overlaps_weight_grad`), issued after its
+    data gradient GEMM and run beside the weight gradient GEMM (an "overlap" step).
+    ``one_step_per_op``: each op its own step (ops outside the layers)."""
+    steps: list[Step] = []
+    run: list[Op] = []
+
+    def flush() -> None:
+        if run:
+            steps.extend([Step("op", (o,)) for o in run] if one_step_per_op
+                         else [Step("op", tuple(run))])
+            run.clear()
+
+    i = 0
+    while i < len(ops):
+        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        if (isinstance(op, ComputeOp) and not op.opens_slot and isinstance(nxt, Collective)
+                and nxt.overlaps_weight_grad):
+            flush()
+            steps.append(Step("overlap", (op, nxt), None, _overlap_unit(op, nxt, direction)))
+            i += 2
+            continue
+        run.append(op)
+        i += 1
+    flush()
+    return steps
+
+
+def _overlap_unit(wgrad: ComputeOp, coll: Collective, direction: str) -> Partition:
+    return Partition(key=f"overlap_{wgrad.name}_{coll.name}", direction=direction,
+                     segment=wgrad.name, compute_ops=(wgrad,), collective=coll,
+                     slots=make_slots((wgrad,)), sm_choices=(), count_per_layer=0,
+                     count_forward=(), count_backward=())
 
 
 @dataclass(frozen=True)
@@ -143,8 +185,9 @@ def make_slots(ops: tuple[ComputeOp, ...]) -> tuple[Slot, ...]:
     prev_memory = False
     for i, op in enumerate(ops):
         is_memory = op.kind == "memory"
-        if is_memory and prev_memory:
-            continue  # consecutive memory-bound ops share the first one's slot
+        if (is_memory and prev_memory) or (not op.opens_slot and slots):
+            continue  # consecutive memory-bound ops share the first one's slot; so does a
+            # weight gradient GEMM with its data gradient GEMM
         cls = op.slot_class
         slots.append(Slot(f"{cls}_{numbers[cls]}", i))
         numbers[cls] += 1
@@ -174,6 +217,19 @@ class PartitionSet:
     graph: ExecutionGraph
     partitions: dict[str, Partition]
     layouts: dict[tuple[int, str], InstructionLayout] = field(repr=False)
+    sequential_layer: dict[str, tuple[Step, ...]] = field(default_factory=dict, repr=False)
+    """Per direction: one layer as Megatron-LM runs it on a whole microbatch (not split;
+    a backward recomputes the forward first when recompute is on)."""
+
+    def sequential_steps(self, stage: int, direction: str) -> tuple[tuple[Step, ...], int,
+                                                                    tuple[Step, ...]]:
+        """Megatron-LM's instruction: (steps before the layers, number of layers, steps
+        after them)."""
+        g = self.graph.stages[stage]
+        pre = g.forward_pre if direction == "forward" else g.backward_pre
+        post = g.forward_post if direction == "forward" else g.backward_post
+        return (tuple(blocking_steps(pre, direction, one_step_per_op=True)), g.num_layers,
+                tuple(blocking_steps(post, direction, one_step_per_op=True)))
 
     @classmethod
     def from_job(cls, job: JobSpec) -> PartitionSet:
@@ -244,7 +300,7 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
         for direction in DIRECTIONS:
             pre = stage.forward_pre if direction == "forward" else stage.backward_pre
             post = stage.forward_post if direction == "forward" else stage.backward_post
-            steps: list[Step] = [Step("op", (op,)) for op in pre]
+            steps = blocking_steps(pre, direction, one_step_per_op=True)
             pairs, last = interleave(graph.pass_segments(direction, stage.num_layers))
             for seg, coll in pairs:
                 if coll is None:
@@ -258,7 +314,7 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
                 c[direction][stage.index] += 1
             if last is not None:
                 steps.append(Step("exposed", (last,)))
-            steps += [Step("op", (op,)) for op in post]
+            steps += blocking_steps(post, direction, one_step_per_op=True)
             layouts[(stage.index, direction)] = InstructionLayout(
                 stage.index, direction, tuple(steps)
             )
@@ -274,7 +330,15 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
                "count_forward": tuple(counts[key]["forward"]),
                "count_backward": tuple(counts[key]["backward"])}
         )
-    return PartitionSet(job, graph, partitions, layouts)
+    return PartitionSet(job, graph, partitions, layouts, _sequential_layer(job))
+
+
+def _sequential_layer(job: JobSpec) -> dict[str, tuple[Step, ...]]:
+    fwd = forward_ops(job, sequences=job.micro_batch_size)
+    bwd = backward_ops(job, fwd, sequences=job.micro_batch_size)
+    return {"forward": tuple(blocking_steps(fwd, "forward")),
+            "backward": tuple(blocking_steps([*fwd, *bwd] if job.recompute else bwd,
+                                             "backward"))}
 
 
 def _base(p: Partition) -> str:

@@ -6,7 +6,8 @@ plan's predicted iteration time and the simulated one come from the same schedul
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kareus.core import InstructionId
@@ -20,6 +21,14 @@ def one_f_one_b(pp: int, microbatches: int, stage: int) -> list[tuple[int, str]]
         order += [(warmup + i, "forward"), (i, "backward")]
     order += [(m, "backward") for m in range(microbatches - warmup, microbatches)]
     return order
+
+
+def sends_after(stage: int, direction: str, pp: int, send_activation_s: Sequence[float],
+                send_grad_s: Sequence[float]) -> float:
+    """How long ``stage`` waits for the transfer that follows its instruction."""
+    if direction == "forward":
+        return send_activation_s[stage] if stage < pp - 1 else 0.0
+    return send_grad_s[stage] if stage > 0 else 0.0
 
 
 @dataclass
@@ -40,7 +49,12 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
     """List-schedule every stage's 1F1B order. A forward waits for the previous stage's
     forward of its microbatch plus ``send_activation_s[s - 1]``; a backward for the next
     stage's backward plus ``send_grad_s[s + 1]``; a stage ends ``end_s[s]`` after its last
-    instruction (the data-parallel gradient sync)."""
+    instruction (the data-parallel gradient sync).
+
+    A transfer is one batched isend/irecv (Megatron's 1F1B): the receiver waits for it and
+    so does the sender, whose next instruction starts when its send is done. Each transfer
+    is counted once on every path: as the delay to the receiver, or as the sender's wait.
+    """
     orders = [one_f_one_b(pp, microbatches, s) for s in range(pp)]
     start: dict[InstructionId, float] = {}
     finish: dict[InstructionId, float] = {}
@@ -65,10 +79,41 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
                     break
                 iid = (s, m, d)
                 start[iid] = max(free[s], ready)
-                free[s] = finish[iid] = start[iid] + duration(iid)
+                finish[iid] = start[iid] + duration(iid)
+                free[s] = finish[iid] + sends_after(s, d, pp, send_activation_s, send_grad_s)
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # pragma: no cover - 1F1B orders never deadlock
             raise RuntimeError("pipeline schedule deadlocked")
     return Timing(start, finish, [free[s] + end_s[s] for s in range(pp)])
+
+
+def latest_finish(pp: int, microbatches: int, timing: Timing,
+                  duration: Callable[[InstructionId], float],
+                  send_activation_s: Sequence[float], send_grad_s: Sequence[float],
+                  end_s: Sequence[float]) -> dict[InstructionId, float]:
+    """The latest each instruction may finish without lengthening the iteration
+    (``timing.iteration_s``), given every other duration: its float is this minus its
+    finish in ``timing``."""
+    succ: dict[InstructionId, list[InstructionId]] = {}
+    for s in range(pp):
+        order = one_f_one_b(pp, microbatches, s)
+        for a, b in itertools.pairwise(order):
+            succ.setdefault((s, *a), []).append((s, *b))
+    for s in range(pp - 1):
+        for m in range(microbatches):
+            succ.setdefault((s, m, "forward"), []).append((s + 1, m, "forward"))
+            succ.setdefault((s + 1, m, "backward"), []).append((s, m, "backward"))
+    end = timing.iteration_s
+    latest: dict[InstructionId, float] = {}
+    for iid in sorted(timing.finish, key=lambda i: timing.finish[i], reverse=True):
+        s, _m, d = iid
+        wait = sends_after(s, d, pp, send_activation_s, send_grad_s)
+        nxt = succ.get(iid, [])
+        on_stage = [j for j in nxt if j[0] == s]
+        bound = end - end_s[s] if not on_stage else float("inf")
+        for j in nxt:
+            bound = min(bound, latest[j] - duration(j))
+        latest[iid] = bound - wait
+    return latest

@@ -31,10 +31,24 @@ def test_backward_is_twice_forward_and_attention_two_and_a_half():
     fwd = {op.name: op for op in g.layer_forward if not op.is_collective}
     bwd = {op.name: op for op in g.layer_backward if not op.is_collective}
     assert bwd["core_attn_bwd"].flops == pytest.approx(2.5 * fwd["core_attn"].flops)
-    for name in ("qkv", "out_proj", "fc1", "fc2", "rope", "swiglu", "input_norm"):
+    for name in ("rope", "swiglu", "input_norm"):
         assert bwd[f"{name}_bwd"].flops == pytest.approx(2 * fwd[name].flops)
-    # a backward linear is two GEMMs: data gradient then weight gradient
-    assert bwd["fc1_bwd"].gemm_shapes == ((16384, 3072, 2048), (2048, 3072, 16384))
+    # a backward linear is two kernels, data gradient then weight gradient, one slot
+    names = [op.name for op in g.layer_backward]
+    for name in ("qkv", "out_proj", "fc1", "fc2"):
+        dgrad, wgrad = bwd[f"{name}_dgrad"], bwd[f"{name}_wgrad"]
+        assert dgrad.flops + wgrad.flops == pytest.approx(2 * fwd[name].flops)
+        assert names.index(f"{name}_wgrad") == names.index(f"{name}_dgrad") + 1
+        assert dgrad.opens_slot and not wgrad.opens_slot
+    assert bwd["fc1_dgrad"].gemm_shapes == ((16384, 3072, 2048),)
+    assert bwd["fc1_wgrad"].gemm_shapes == ((2048, 3072, 16384),)
+    # the input-gradient all-reduces follow the column-parallel weight gradients and are
+    # the ones Megatron overlaps with them
+    overlapped = [op.name for op in g.layer_backward if op.is_collective
+                  and op.overlaps_weight_grad]
+    assert overlapped == ["fc1_grad_ar", "qkv_grad_ar"]
+    for name in overlapped:
+        assert names[names.index(name) - 1].endswith("_wgrad")
 
 
 def test_collectives_per_layer_without_sp():
@@ -91,8 +105,30 @@ def test_lm_head_and_embedding_on_the_right_stages():
     assert "lm_head" in [op.name for op in last.forward_post]
     head = next(op for op in last.forward_post if op.name == "lm_head")
     assert head.gemm_shapes == ((8 * 4096, 128256 // 8, 3072),)
-    assert [op.name for op in first.forward_post] == ["send_activation"]
-    assert [op.name for op in last.forward_pre] == ["recv_activation"]
+    # transfers are not ops of either instruction: both ends wait for one transfer
+    assert first.forward_post == () and last.forward_pre == ()
+    assert first.send_activation is not None and first.send_grad is None
+    assert last.send_grad is not None and last.send_activation is None
+    assert [t.name for t in first.transfers] == ["send_activation"]
+
+
+def test_cp_attention_runs_as_two_chunks_per_rank():
+    from kareus.sources import build_job
+    from kareus.workload.graph import ExecutionGraph
+
+    job = build_job("kareus-2")  # CP2 + TP4, seq 4096
+    g = ExecutionGraph.from_job(job)
+    attn = [op for op in g.layer_forward if op.kind == "attention"]
+    assert [op.name for op in attn] == ["core_attn", "core_attn_2"]
+    assert attn[0].opens_slot and not attn[1].opens_slot
+    # rank 0 holds chunks 0 and 3 of 4 (1024 tokens each): 0.5 and 3.5 blocks of work
+    assert attn[1].flops == pytest.approx(7 * attn[0].flops)
+    b, heads, d, s = job.nanobatch_size, job.local_heads, job.model.head_dim, 4096
+    assert sum(op.flops for op in attn) == pytest.approx(2.0 * b * (s // 2) * s * heads * d)
+    bwd = [op.name for op in g.layer_backward if op.kind == "attention"]
+    assert bwd == ["core_attn_bwd", "core_attn_2_bwd"]
+    one = ExecutionGraph.from_job(build_job("kareus-1"))
+    assert [op.name for op in one.layer_forward if op.kind == "attention"] == ["core_attn"]
 
 
 def test_parameter_count_matches_the_model():

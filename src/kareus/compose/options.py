@@ -17,7 +17,7 @@ backend it is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from kareus.backends.base import Backend
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
@@ -25,9 +25,7 @@ from kareus.compose.pipeline import PipelineCosts
 from kareus.core import DIRECTIONS, ZERO, Knobs, Measurement, PartitionSetting
 from kareus.errors import SpecError
 from kareus.methods import Method
-from kareus.partition import PartitionSet
-from kareus.workload.layer import backward_ops, forward_ops
-from kareus.workload.ops import Collective, Op
+from kareus.partition import PartitionSet, Step
 
 KeyFrontiers = dict[str, dict[int, list[KeyOption]]]
 """Per partition key, per clock: Pareto options from the search."""
@@ -56,7 +54,6 @@ class Composer:
         self.backend = backend
         self.freqs = tuple(sorted(freqs_mhz, reverse=True))
         self.f_max = backend.gpu.max_freq_mhz
-        self._megatron_layer: tuple[tuple[Op, ...], tuple[Op, ...]] | None = None
 
     # Options ---------------------------------------------------------------------------
 
@@ -84,33 +81,38 @@ class Composer:
     def _default_overlap(self, stage: int, d: str, f: int) -> InstructionOption:
         """Every partition at the backend's default SMs, launched at its first slot."""
         b = self.backend
-        total = ZERO  # summed from ZERO in step order: the same numbers as a simulation
+        total = ZERO
         for step in self.ps.layouts[(stage, d)].steps:
             if step.kind == "partition":
                 assert step.key is not None
                 p = self.ps[step.key]
                 m = b.measure(p, Knobs(f, b.default_sms, p.slots[0].name))
             else:
-                m = b.measure_ops(step.ops, f)
+                m = self._fixed(step, f)
             total = total + m
         return InstructionOption(total.time_s, total.dynamic_energy_j, f)
 
+    def _fixed(self, step: Step, f: int) -> Measurement:
+        """A step no knob of Kareus's tunes: ops back to back, or a weight gradient GEMM
+        beside its input-gradient collective (NCCL's default channels, launched with it)."""
+        b = self.backend
+        if step.kind == "overlap":
+            assert step.unit is not None
+            return b.measure(step.unit, Knobs(f, b.default_sms, step.unit.slots[0].name))
+        return b.measure_ops(step.ops, f)
+
+    def _steps(self, steps: Sequence[Step], f: int) -> Measurement:
+        total = ZERO
+        for step in steps:
+            total = total + self._fixed(step, f)
+        return total
+
     def _sequential(self, stage: int, d: str, f: int) -> InstructionOption:
-        """Megatron-LM: the whole microbatch, collectives blocking, default SMs."""
-        job, b = self.ps.job, self.backend
-        if self._megatron_layer is None:
-            fwd_ops = forward_ops(job, sequences=job.micro_batch_size)
-            bwd_ops = backward_ops(job, fwd_ops, sequences=job.micro_batch_size)
-            self._megatron_layer = (tuple(fwd_ops), tuple(bwd_ops))
-        fwd, bwd = self._megatron_layer
-        g = self.ps.graph.stages[stage]
-        if d == "forward":
-            layer = b.measure_ops(fwd, f)
-            pre, post = b.measure_ops(g.forward_pre, f), b.measure_ops(g.forward_post, f)
-        else:
-            layer = b.measure_ops((*fwd, *bwd) if job.recompute else bwd, f)
-            pre, post = b.measure_ops(g.backward_pre, f), b.measure_ops(g.backward_post, f)
-        m = pre + layer.scaled(g.num_layers) + post
+        """Megatron-LM: the whole microbatch, collectives blocking (but for the
+        input-gradient all-reduce beside the weight gradient GEMM), default SMs."""
+        pre, layers, post = self.ps.sequential_steps(stage, d)
+        layer = self._steps(self.ps.sequential_layer[d], f)
+        m = self._steps(pre, f) + layer.scaled(layers) + self._steps(post, f)
         return InstructionOption(m.time_s, m.dynamic_energy_j, f, sequential=True)
 
     def _composed(self, stage: int, d: str, f: int, fronts: KeyFrontiers
@@ -120,7 +122,7 @@ class Composer:
         t0 = e0 = 0.0
         for step in layout.steps:
             if step.kind != "partition":
-                m = b.measure_ops(step.ops, f)
+                m = self._fixed(step, f)
                 t0 += m.time_s
                 e0 += m.dynamic_energy_j
         per_key = {}
@@ -140,11 +142,10 @@ class Composer:
         job, b = self.ps.job, self.backend
         act, grad, end, fixed = [], [], [], []
         for g in self.ps.graph.stages:
-            sends = {op.name: b.measure_ops((op,), self.f_max)
-                     for op in (*g.forward_post, *g.backward_post)
-                     if isinstance(op, Collective) and op.group == "pp"}
-            act.append(sends["send_activation"].time_s if "send_activation" in sends else 0.0)
-            grad.append(sends["send_grad"].time_s if "send_grad" in sends else 0.0)
+            # each transfer once, on the sender (kareus.schedule: both ends wait for it)
+            sends = {t.name: b.measure_ops((t,), self.f_max) for t in g.transfers}
+            act.append(sends["send_activation"].time_s if g.send_activation else 0.0)
+            grad.append(sends["send_grad"].time_s if g.send_grad else 0.0)
             e = b.measure_ops(g.iteration_end, self.f_max) if g.iteration_end else None
             end.append(e.time_s if e else 0.0)
             fixed.append(job.num_microbatches * sum(m.dynamic_energy_j for m in sends.values())

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kareus.compose.instruction import InstructionOption, pareto_front
+from kareus.compose.slack import fill_slack
 from kareus.core import InstructionId
 from kareus.errors import KareusError
-from kareus.schedule import one_f_one_b, schedule
+from kareus.schedule import one_f_one_b, schedule, sends_after
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class PipelinePoint:
     """Per instruction, the index of its option in the (pruned) option list it was solved
     with; `picks` holds the options themselves."""
     picks: dict[InstructionId, InstructionOption]
+    options: dict[tuple[int, str], list[InstructionOption]] = field(
+        default_factory=dict, compare=False, repr=False)
+    """The option lists ``choice`` indexes (shared, not copied)."""
 
 
 def evaluate(options: dict[tuple[int, str], list[InstructionOption]], costs: PipelineCosts,
@@ -65,7 +69,15 @@ def evaluate(options: dict[tuple[int, str], list[InstructionOption]], costs: Pip
     t = timing.iteration_s
     picks = {iid: options[(iid[0], iid[2])][i] for iid, i in choice.items()}
     return PipelinePoint(t, dynamic + costs.gpus * t * costs.static_power_w, dynamic,
-                         dict(choice), picks)
+                         dict(choice), picks, options)
+
+
+def evaluate_filled(options: dict[tuple[int, str], list[InstructionOption]],
+                    costs: PipelineCosts, choice: dict[InstructionId, int]) -> PipelinePoint:
+    """``choice`` with its slack filled (kareus.compose.slack), evaluated."""
+    return evaluate(options, costs, fill_slack(
+        options, costs.pp, costs.microbatches, costs.send_activation_s, costs.send_grad_s,
+        costs.end_s, choice))
 
 
 def _uniform(options, costs, pick) -> dict[InstructionId, int]:
@@ -92,14 +104,15 @@ def solve_frontier(options: dict[tuple[int, str], list[InstructionOption]],
     max_steps = max_steps or default_steps(costs)
     options = {k: drop_wasteful(pareto_front(v), costs.static_power_w)
                for k, v in options.items()}
-    fastest = evaluate(options, costs, _uniform(options, costs, lambda o: 0))
+    # every point is the least-energy plan found for its iteration time: slack filled
+    fastest = evaluate_filled(options, costs, _uniform(options, costs, lambda o: 0))
     slowest = evaluate(options, costs, _uniform(options, costs, lambda o: len(o) - 1))
     points = [fastest, slowest]
     if all(len(v) == 1 for v in options.values()):
         return _frontier(points)
     unit = max(1e-3, (slowest.time_s - fastest.time_s) / max_steps)
     for choice in _phillips_dessouky(options, costs, unit):
-        points.append(evaluate(options, costs, choice))
+        points.append(evaluate_filled(options, costs, choice))
     return _frontier(points)
 
 
@@ -191,13 +204,20 @@ def _pipeline_dag(options: dict[tuple[int, str], list[InstructionOption]],
     source, sink = add(DummyOperation()), add(DummyOperation())
     ids: dict[InstructionId, int] = {}
     ops: dict[InstructionId, Any] = {}
+    after: dict[InstructionId, int] = {}  # the node a stage's next instruction follows
     for s in range(costs.pp):
         prev = source
         for m, d in one_f_one_b(costs.pp, costs.microbatches, s):
             ops[(s, m, d)] = op = Operation(spec=specs[(s, d)])
             ids[(s, m, d)] = n = add(op)
             dag.add_edge(prev, n)
-            prev = n
+            prev = after[(s, m, d)] = n
+            delay = sends_after(s, d, costs.pp, costs.send_activation_s, costs.send_grad_s)
+            if delay > 0:
+                # one node per transfer: the sender's next instruction and the receiver
+                # both wait for it (batched isend/irecv), so every path counts it once
+                prev = after[(s, m, d)] = add(Operation(spec=spec([(delay, 0.0)])))
+                dag.add_edge(n, prev)
         if costs.end_s[s] > 0:
             end = add(Operation(spec=spec([(costs.end_s[s], 0.0)])))
             dag.add_edge(prev, end)
@@ -205,16 +225,8 @@ def _pipeline_dag(options: dict[tuple[int, str], list[InstructionOption]],
         dag.add_edge(prev, sink)
     for s in range(costs.pp - 1):
         for m in range(costs.microbatches):
-            for a, b, delay in (((s, m, "forward"), (s + 1, m, "forward"),
-                                 costs.send_activation_s[s]),
-                                ((s + 1, m, "backward"), (s, m, "backward"),
-                                 costs.send_grad_s[s + 1])):
-                if delay > 0:
-                    link = add(Operation(spec=spec([(delay, 0.0)])))
-                    dag.add_edge(ids[a], link)
-                    dag.add_edge(link, ids[b])
-                else:
-                    dag.add_edge(ids[a], ids[b])
+            dag.add_edge(after[(s, m, "forward")], ids[(s + 1, m, "forward")])
+            dag.add_edge(after[(s + 1, m, "backward")], ids[(s, m, "backward")])
     dag.graph["source_node"], dag.graph["sink_node"] = source, sink
     return dag, ops
 

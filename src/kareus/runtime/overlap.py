@@ -135,9 +135,9 @@ def issue_at_end(pending: Pending | None) -> None:
         pending.issue()
 
 
-BACKWARD_TAPS = {"fc2_bwd": "fc2", "swiglu_bwd": "swiglu", "fc1_bwd": "fc1",
-                 "out_proj_bwd": "out_proj", "core_attn_bwd": "core_attn",
-                 "rope_bwd": "rope", "qkv_bwd": "qkv"}
+BACKWARD_TAPS = {"fc2_dgrad": "fc2", "swiglu_bwd": "swiglu", "fc1_dgrad": "fc1",
+                 "out_proj_dgrad": "out_proj", "core_attn_bwd": "core_attn",
+                 "rope_bwd": "rope", "qkv_dgrad": "qkv"}
 """Backward slot -> the forward tensor whose gradient marks that op's backward start."""
 
 

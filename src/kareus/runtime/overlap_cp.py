@@ -197,7 +197,7 @@ class _Backward:
         gh, gn2 = norm_backward(self.hs[nb], layer.norm2, db_full)
         self.grads.add([layer.norm2], [gn2])
         dh = self.dys[nb] + gh
-        self.start(key, pending, ("out_proj_bwd",))
+        self.start(key, pending, ("out_proj_dgrad",))
         with torch.enable_grad():
             o = self.outs[nb].detach().requires_grad_(True)
             go, gwo = torch.autograd.grad(o @ layer.wo, [o, layer.wo], dh)

@@ -16,7 +16,7 @@ from kareus.workload.layer import (
     backward_ops,
     forward_ops,
     gemm,
-    gemm_backward,
+    linear_backward,
     memory_backward,
     memory_op,
 )
@@ -32,13 +32,25 @@ class StageGraph:
     forward_pre: tuple[Op, ...]
     """Per microbatch, before the first layer's forward (embedding on stage 0)."""
     forward_post: tuple[Op, ...]
-    """Per microbatch, after the last layer (LM head and loss on the last stage; the send)."""
+    """Per microbatch, after the last layer (LM head and loss on the last stage)."""
     backward_pre: tuple[Op, ...]
     backward_post: tuple[Op, ...]
     iteration_end: tuple[Op, ...]
     """Once per iteration: the data-parallel gradient reduce-scatter and parameter gather."""
     params: int
     """Parameters held by one rank of this stage."""
+    send_activation: Collective | None = None
+    """Per microbatch, after its forward: the activation sent to the next stage."""
+    send_grad: Collective | None = None
+    """Per microbatch, after its backward: the input gradient sent to the previous stage.
+
+    A transfer between adjacent stages is one batched isend/irecv in Megatron's 1F1B: the
+    sender and the receiver both wait for it, so it appears once on any path of the
+    pipeline (kareus.schedule), never as an op inside either instruction."""
+
+    @property
+    def transfers(self) -> tuple[Collective, ...]:
+        return tuple(t for t in (self.send_activation, self.send_grad) if t is not None)
 
 
 def _sum_flops(ops) -> float:
@@ -168,9 +180,7 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         # backward: scatter-add of the output gradient into the embedding rows
         bwd_post.append(memory_op("embedding_bwd", "other", tokens * h, 3 * tokens * h * E))
         params += vocab_local * h
-    else:
-        fwd_pre.append(Collective("recv_activation", "send_recv", "pp", 2, act_bytes))
-        bwd_post.append(Collective("send_grad", "send_recv", "pp", 2, act_bytes))
+    send_grad = None if first else Collective("send_grad", "send_recv", "pp", 2, act_bytes)
     if last:
         norm = memory_op("final_norm", "norm", 4 * tokens * h, (2 * tokens * h + h) * E)
         head = gemm("lm_head", tokens, vocab_local, h)
@@ -185,14 +195,13 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         fwd_post += [head, loss, stats]
         bwd_pre += [
             memory_backward(loss),
-            gemm_backward(head),
-            Collective("lm_head_grad_ar", tp_out_kind, "tp", job.tp, act_bytes),
+            *linear_backward(head),
+            Collective("lm_head_grad_ar", tp_out_kind, "tp", job.tp, act_bytes,
+                       overlaps_weight_grad=True),
             memory_backward(norm),
         ]
         params += vocab_local * h + h
-    else:
-        fwd_post.append(Collective("send_activation", "send_recv", "pp", 2, act_bytes))
-        bwd_pre.append(Collective("recv_grad", "send_recv", "pp", 2, act_bytes))
+    send_act = None if last else Collective("send_activation", "send_recv", "pp", 2, act_bytes)
 
     # Weights are replicated across DP and CP ranks, so gradients are reduced over both
     # (Megatron's data-parallel group includes the context-parallel ranks); distributed
@@ -213,4 +222,6 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         backward_post=tuple(bwd_post),
         iteration_end=tuple(end),
         params=params,
+        send_activation=send_act,
+        send_grad=send_grad,
     )

@@ -8,7 +8,8 @@ sequence parallelism, reduce-scatter) -> residual + RMSNorm -> [SP all-gather] -
 
 Conventions: bf16 (2 bytes per element); 2 FLOPs per multiply-add; causal attention counts
 half of full attention (with CP the load-balanced chunks average to the same half); a
-backward GEMM is 2x its forward (data gradient + weight gradient, two GEMMs); attention
+backward linear is 2x its forward (a data gradient GEMM, then a weight gradient GEMM,
+two kernels); attention
 backward is 2.5x its forward; a memory-bound backward op is 2x its forward in FLOPs and
 bytes.
 
@@ -36,14 +37,19 @@ def gemm(name: str, m: int, n: int, k: int) -> ComputeOp:
     )
 
 
-def gemm_backward(fwd: ComputeOp) -> ComputeOp:
-    """Data gradient (m x k from m x n and n x k) then weight gradient (n x k over m)."""
-    shapes: list[GemmShape] = []
-    for m, n, k in fwd.gemm_shapes:
-        shapes += [(m, k, n), (n, k, m)]
-    flops = sum(2.0 * m * n * k for m, n, k in shapes)
-    bytes_ = sum(float(m * k + k * n + m * n) * E for m, n, k in shapes)
-    return ComputeOp(f"{fwd.name}_bwd", "gemm", flops, bytes_, "linear", tuple(shapes))
+def linear_backward(fwd: ComputeOp) -> tuple[ComputeOp, ComputeOp]:
+    """A linear's backward as the two kernels Megatron-Core / TransformerEngine run: the
+    data gradient GEMM (m x k from m x n and n x k), then the weight gradient GEMM (n x k
+    over m). One launch slot: the weight gradient continues the data gradient's slot."""
+    (m, n, k), = fwd.gemm_shapes
+    dgrad, wgrad = (m, k, n), (n, k, m)
+
+    def op(name: str, shape: GemmShape, opens: bool) -> ComputeOp:
+        a, b, c = shape
+        return ComputeOp(f"{fwd.name}_{name}", "gemm", 2.0 * a * b * c,
+                         float(a * c + c * b + a * b) * E, "linear", (shape,), opens)
+
+    return op("dgrad", dgrad, True), op("wgrad", wgrad, False)
 
 
 def memory_op(name: str, slot_class, flops: float, bytes_: float) -> ComputeOp:
@@ -104,6 +110,35 @@ def _cp_scatter(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collec
     return Collective(name, "reduce_scatter", "cp", job.cp, sh.kv_shard_bytes * job.cp, closes)
 
 
+def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
+    """Causal flash attention of one rank: QK^T and PV, 2 FLOPs per MAC each.
+
+    Without CP, one kernel over the rank's tokens (half of the score matrix: causal). In
+    CP all-gather mode Megatron-Core / TransformerEngine cut the sequence into 2 x CP
+    chunks, rank r holding chunks r and 2CP-1-r (load balance), and run attention once
+    per local query chunk against the keys it needs: chunk c sees the c full chunks before
+    it and its own diagonal block. We model rank 0 (chunks 0 and 2CP-1); every rank does
+    the same total work. The two kernels share one launch slot.
+    """
+    d, hq, hkv = sh.d, sh.heads, sh.kv_heads
+    if job.cp == 1:
+        q = sh.tokens * hq * d
+        kv = sh.b * sh.s_full * hkv * d
+        return [ComputeOp("core_attn", "attention",
+                          flops=2.0 * sh.b * sh.s_local * sh.s_full * hq * d,
+                          bytes_=float(2 * q + 2 * kv) * E, slot_class="attn")]
+    chunk = sh.s_full // (2 * job.cp)
+    out = []
+    for i, c in enumerate((0, 2 * job.cp - 1)):
+        keys = (c + 1) * chunk  # keys read: full chunks before it and its own
+        # full blocks against the c earlier chunks, half of the diagonal block
+        flops = 4.0 * sh.b * chunk * hq * d * (c * chunk + chunk / 2)
+        bytes_ = float(2 * sh.b * chunk * hq * d + 2 * sh.b * keys * hkv * d) * E
+        out.append(ComputeOp("core_attn" if i == 0 else "core_attn_2", "attention", flops,
+                             bytes_, "attn", opens_slot=i == 0))
+    return out
+
+
 def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
     """One layer's forward for one nanobatch (or ``sequences`` sequences) on one rank,
     collectives in place."""
@@ -111,8 +146,6 @@ def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
     sp, cp = job.sequence_parallel, job.cp > 1
     t, h, d = sh.tokens, sh.h, sh.d
     qk_elems = t * (sh.heads + sh.kv_heads) * d
-    q_elems = t * sh.heads * d
-    kv_elems = sh.b * sh.s_full * sh.kv_heads * d  # after the CP gather: the whole sequence
 
     ops: list[Op] = [
         _residual_add("residual_mlp", sh.norm_tokens, h),
@@ -127,16 +160,7 @@ def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
     ops.append(memory_op("rope", "rope", 3 * qk_elems, 2 * qk_elems * E))
     if cp:
         ops.append(_cp_gather(job, "kv_ag", "qkv", sh))
-    ops.append(
-        ComputeOp(
-            "core_attn",
-            "attention",
-            # QK^T and PV, 2 FLOPs per MAC each, half of the score matrix (causal)
-            flops=2.0 * sh.b * sh.s_local * sh.s_full * sh.heads * d,
-            bytes_=float(2 * q_elems + 2 * kv_elems) * E,
-            slot_class="attn",
-        )
-    )
+    ops += attention_ops(job, sh)
     ops.append(gemm("out_proj", t, h, sh.heads * d))
     ops.append(_tp_closing(job, "attn_ar" if not sp else "attn_rs", "ao" if cp else "attn", sh))
     ops += [
@@ -167,7 +191,8 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     in_grad_kind: CollectiveKind = "reduce_scatter" if sp else "all_reduce"
 
     def grad_in(name: str, closes: str) -> Collective:
-        return Collective(name, in_grad_kind, "tp", job.tp, sh.activation_bytes, closes)
+        return Collective(name, in_grad_kind, "tp", job.tp, sh.activation_bytes, closes,
+                          overlaps_weight_grad=True)
 
     ops: list[Op] = [
         memory_backward(f["input_norm"]),
@@ -176,37 +201,31 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     if sp:
         ops.append(_sp_gather(job, "mlp_out_grad_ag", "ln1", sh))
     ops += [
-        gemm_backward(f["fc2"]),
+        *linear_backward(f["fc2"]),
         memory_backward(f["swiglu"]),
-        gemm_backward(f["fc1"]),
+        *linear_backward(f["fc1"]),
         grad_in("fc1_grad_ar" if not sp else "fc1_grad_rs", "mlp"),
         memory_backward(f["pre_mlp_norm"]),
         memory_backward(f["residual_attn"]),
     ]
     if sp:
         ops.append(_sp_gather(job, "attn_out_grad_ag", "ln2", sh))
-    ops.append(gemm_backward(f["out_proj"]))
+    ops += linear_backward(f["out_proj"])
     if cp:
         # K and V are gathered again for the attention backward (all-gather mode keeps only
         # the local shard), and dK, dV are reduce-scattered back to their owners.
         ops.append(_cp_gather(job, "kv_regather", "o", sh))
-    attn = f["core_attn"]
-    ops.append(
-        ComputeOp(
-            "core_attn_bwd",
-            "attention",
-            flops=2.5 * attn.flops,
-            bytes_=2.0 * attn.bytes_,  # reads q, k, v, o, dO; writes dq, dk, dv
-            slot_class="attn",
-        )
-    )
+    # reads q, k, v, o, dO; writes dq, dk, dv
+    ops += [ComputeOp(f"{a.name}_bwd", "attention", 2.5 * a.flops, 2.0 * a.bytes_, "attn",
+                      opens_slot=a.opens_slot)
+            for a in (op for op in f.values() if op.kind == "attention")]
     if cp:
         ops.append(_cp_scatter(job, "dkv_rs", "a", sh))
     ops.append(memory_backward(f["rope"]))
     if "qk_norm" in f:
         ops.append(memory_backward(f["qk_norm"]))
     ops += [
-        gemm_backward(f["qkv"]),
+        *linear_backward(f["qkv"]),
         grad_in("qkv_grad_ar" if not sp else "qkv_grad_rs", "qkv" if cp else "attn"),
     ]
     return ops

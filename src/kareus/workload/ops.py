@@ -32,6 +32,9 @@ class ComputeOp:
     bytes_: float
     slot_class: SlotClass
     gemm_shapes: tuple[GemmShape, ...] = ()
+    opens_slot: bool = True
+    """False for a kernel that continues its predecessor's launch slot (a linear's weight
+    gradient GEMM follows its data gradient GEMM in the same backward)."""
 
     @property
     def is_collective(self) -> bool:
@@ -65,6 +68,10 @@ class Collective:
     closes: str = ""
 
     flops: float = 0.0
+    overlaps_weight_grad: bool = False
+    """The input-gradient collective of a column-parallel linear: Megatron-Core issues it
+    asynchronously after the data gradient GEMM and runs the weight gradient GEMM beside it
+    (`allreduce_dgrad`; TransformerEngine's Linear does the same, anchors §6)."""
 
     @property
     def is_collective(self) -> bool:

@@ -21,11 +21,8 @@ from kareus import SCHEMA_VERSION
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.core import ZERO, Knobs, Measurement
 from kareus.execution import ExecutionPlan
-from kareus.partition import PartitionSet
+from kareus.partition import PartitionSet, Step
 from kareus.schedule import one_f_one_b, schedule
-from kareus.workload.graph import StageGraph
-from kareus.workload.layer import backward_ops, forward_ops
-from kareus.workload.ops import Collective, Op
 
 
 @dataclass
@@ -79,7 +76,6 @@ class IterationSimulator:
         self.job = partitions.job
         self.backend = backend
         self._instr: dict = {}
-        self._megatron_layer: tuple[tuple[Op, ...], tuple[Op, ...]] | None = None
 
     # One instruction ----------------------------------------------------------------------
 
@@ -119,27 +115,28 @@ class IterationSimulator:
                 sms, slot = chosen[step.key]
                 total = total + b.predict(self.ps[step.key], Knobs(freq_mhz, sms, slot))
             else:
-                total = total + b.predict_ops(step.ops, freq_mhz, default_sms)
+                total = total + self._fixed(step, freq_mhz, default_sms)
         return total
 
-    def _sequential(self, stage: int, direction: str, freq_mhz: int) -> Measurement:
-        """Megatron-LM: the whole microbatch, collectives blocking, default SMs."""
-        if self._megatron_layer is None:
-            fwd_ops = forward_ops(self.job, sequences=self.job.micro_batch_size)
-            bwd_ops = backward_ops(self.job, fwd_ops, sequences=self.job.micro_batch_size)
-            self._megatron_layer = (tuple(fwd_ops), tuple(bwd_ops))
-        fwd, bwd = self._megatron_layer
-        g: StageGraph = self.ps.graph.stages[stage]
+    def _fixed(self, step: Step, freq_mhz: int, sms: int | None = None) -> Measurement:
+        """Ops back to back; or a weight gradient GEMM beside its input-gradient collective,
+        which is launched with the GEMM (Megatron-Core's allreduce_dgrad)."""
         b = self.backend
-        if direction == "forward":
-            layer = b.predict_ops(fwd, freq_mhz)
-            pre = b.predict_ops(g.forward_pre, freq_mhz)
-            post = b.predict_ops(g.forward_post, freq_mhz)
-        else:
-            layer = b.predict_ops((*fwd, *bwd) if self.job.recompute else bwd, freq_mhz)
-            pre = b.predict_ops(g.backward_pre, freq_mhz)
-            post = b.predict_ops(g.backward_post, freq_mhz)
-        return pre + layer.scaled(g.num_layers) + post
+        if step.kind == "overlap":
+            assert step.unit is not None
+            unit = step.unit
+            return b.predict(unit, Knobs(freq_mhz, sms or b.default_sms, unit.slots[0].name))
+        return b.predict_ops(step.ops, freq_mhz, sms)
+
+    def _sequential(self, stage: int, direction: str, freq_mhz: int) -> Measurement:
+        """Megatron-LM: the whole microbatch, collectives blocking but for the input-gradient
+        all-reduce beside the weight gradient GEMM, NCCL's default channels."""
+        pre, layers, post = self.ps.sequential_steps(stage, direction)
+        total = [ZERO, ZERO, ZERO]
+        for i, steps in enumerate((pre, self.ps.sequential_layer[direction], post)):
+            for step in steps:
+                total[i] = total[i] + self._fixed(step, freq_mhz)
+        return total[0] + total[1].scaled(layers) + total[2]
 
     # The pipeline ---------------------------------------------------------------------------
 
@@ -147,11 +144,10 @@ class IterationSimulator:
         job, b = self.job, self.backend
         pp, mbs = job.pp, job.num_microbatches
         stages = self.ps.graph.stages
-        # Transfers between stages: their time delays the receiver; their (small) dynamic
-        # energy is the sender's.
-        sends = {s.index: {op.name: b.predict_ops((op,), plan.default_freq_mhz)
-                           for op in (*s.forward_post, *s.backward_post)
-                           if isinstance(op, Collective) and op.group == "pp"} for s in stages}
+        # Transfers between stages: both ends wait for each (kareus.schedule); their (small)
+        # dynamic energy is counted once, on the sender.
+        sends = {s.index: {t.name: b.predict_ops((t,), plan.default_freq_mhz)
+                           for t in s.transfers} for s in stages}
         ends = [b.predict_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
                 for g in stages]
         costs: dict = {}

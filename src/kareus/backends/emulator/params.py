@@ -61,8 +61,8 @@ class EmulatorParams:
     """HBM bytes per bus byte for reducing collectives (write received, read received and
     local); gathers and P2P move 2 (write received, read to forward)."""
     default_comm_sms: int = 32
-    """NCCL channels a collective uses when nobody tunes it (Megatron configures maxCTAs 32,
-    anchors §3)."""
+    """NCCL channels a collective uses when nobody tunes it: the GPU catalog's
+    `nccl_channels` (what NCCL picks inside an NVSwitch node, anchors §3)."""
     p2p_latency_s: float = 10e-6
 
     # Power -----------------------------------------------------------------------------------
@@ -92,7 +92,12 @@ class EmulatorParams:
 
 def default_params(gpu: GPUSpec) -> EmulatorParams:
     """Per-architecture defaults: A100 constants are the fitted ones; others are scaled by
-    their public numbers (documented in docs/emulator.md)."""
+    their public numbers (documented in docs/emulator.md). Collectives nobody tunes get
+    the channels NCCL picks on this GPU's node."""
+    return replace(_architecture_params(gpu), default_comm_sms=gpu.nccl_channels)
+
+
+def _architecture_params(gpu: GPUSpec) -> EmulatorParams:
     if gpu.name.startswith("A100"):
         return EmulatorParams()
     if gpu.name in ("H100-SXM", "H200"):

@@ -1,0 +1,55 @@
+"""Filling a plan's slack: every instruction that can run slower (at a lower clock, or
+with a cheaper partition setting) without lengthening the iteration does so.
+
+Phillips-Dessouky shortens the critical path step by step; instructions off that path are
+left wherever the solve put them, and its two ends are uniform plans (every instruction at
+its fastest or its slowest option). So a frontier point can spend energy that buys no time:
+on kareus-1 Perseus's fastest point ran every instruction at max clock. This pass takes a
+plan and, while some instruction's float (how much later it may finish without delaying the
+iteration, kareus.schedule.latest_finish) covers a slower option of that instruction, moves
+it to the slowest such option. Options are Pareto-sorted, so each move lowers the energy and
+none lengthens the iteration; the pass ends when no instruction can move.
+"""
+
+from __future__ import annotations
+
+from kareus.compose.instruction import InstructionOption
+from kareus.core import InstructionId
+from kareus.schedule import latest_finish, schedule
+
+_TOLERANCE = 1e-12
+
+
+def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
+               microbatches: int, send_activation_s: tuple[float, ...],
+               send_grad_s: tuple[float, ...], end_s: tuple[float, ...],
+               choice: dict[InstructionId, int]) -> dict[InstructionId, int]:
+    """``choice`` (per instruction, an index into its Pareto-sorted options, fastest first)
+    with every instruction moved as slow as the iteration time allows."""
+    choice = dict(choice)
+
+    def duration(iid: InstructionId) -> float:
+        return options[(iid[0], iid[2])][choice[iid]].time_s
+
+    while True:
+        timing = schedule(pp, microbatches, duration, list(send_activation_s),
+                          list(send_grad_s), list(end_s))
+        latest = latest_finish(pp, microbatches, timing, duration, send_activation_s,
+                               send_grad_s, end_s)
+        tol = _TOLERANCE * timing.iteration_s
+        moved = False
+        for iid in sorted(choice, key=lambda i: timing.finish[i] - latest[i]):
+            spare = latest[iid] - timing.finish[iid]
+            if spare <= tol:
+                break  # sorted by float, largest first: nothing after this can move
+            opts = options[(iid[0], iid[2])]
+            now, best = choice[iid], choice[iid]
+            while best + 1 < len(opts) and (opts[best + 1].time_s - opts[now].time_s
+                                            <= spare - tol):
+                best += 1
+            if best != now:
+                choice[iid] = best
+                moved = True
+                break  # floats along this instruction's paths shrank: recompute them
+        if not moved:
+            return choice
