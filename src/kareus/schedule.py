@@ -89,6 +89,20 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
     return Timing(start, finish, [free[s] + end_s[s] for s in range(pp)])
 
 
+def successors(pp: int, microbatches: int) -> dict[InstructionId, list[InstructionId]]:
+    """Per instruction, the instructions that wait for it: the next one on its stage and
+    the one on the adjacent stage that needs its output."""
+    succ: dict[InstructionId, list[InstructionId]] = {}
+    for s in range(pp):
+        for a, b in itertools.pairwise(one_f_one_b(pp, microbatches, s)):
+            succ.setdefault((s, *a), []).append((s, *b))
+    for s in range(pp - 1):
+        for m in range(microbatches):
+            succ.setdefault((s, m, "forward"), []).append((s + 1, m, "forward"))
+            succ.setdefault((s + 1, m, "backward"), []).append((s, m, "backward"))
+    return succ
+
+
 def latest_finish(pp: int, microbatches: int, timing: Timing,
                   duration: Callable[[InstructionId], float],
                   send_activation_s: Sequence[float], send_grad_s: Sequence[float],
@@ -96,24 +110,35 @@ def latest_finish(pp: int, microbatches: int, timing: Timing,
     """The latest each instruction may finish without lengthening the iteration
     (``timing.iteration_s``), given every other duration: its float is this minus its
     finish in ``timing``."""
-    succ: dict[InstructionId, list[InstructionId]] = {}
-    for s in range(pp):
-        order = one_f_one_b(pp, microbatches, s)
-        for a, b in itertools.pairwise(order):
-            succ.setdefault((s, *a), []).append((s, *b))
-    for s in range(pp - 1):
-        for m in range(microbatches):
-            succ.setdefault((s, m, "forward"), []).append((s + 1, m, "forward"))
-            succ.setdefault((s + 1, m, "backward"), []).append((s, m, "backward"))
+    succ = successors(pp, microbatches)
     end = timing.iteration_s
     latest: dict[InstructionId, float] = {}
     for iid in sorted(timing.finish, key=lambda i: timing.finish[i], reverse=True):
         s, _m, d = iid
         wait = sends_after(s, d, pp, send_activation_s, send_grad_s)
         nxt = succ.get(iid, [])
-        on_stage = [j for j in nxt if j[0] == s]
-        bound = end - end_s[s] if not on_stage else float("inf")
+        bound = end - end_s[s] if not any(j[0] == s for j in nxt) else float("inf")
         for j in nxt:
             bound = min(bound, latest[j] - duration(j))
         latest[iid] = bound - wait
     return latest
+
+
+def free_float(pp: int, microbatches: int, timing: Timing,
+               send_activation_s: Sequence[float], send_grad_s: Sequence[float],
+               end_s: Sequence[float]) -> dict[InstructionId, float]:
+    """How much each instruction may grow without moving anything else's start: growing
+    every instruction within its free float at once leaves the schedule's starts, and the
+    iteration time, unchanged."""
+    succ = successors(pp, microbatches)
+    out: dict[InstructionId, float] = {}
+    for iid, fin in timing.finish.items():
+        s, _m, d = iid
+        wait = sends_after(s, d, pp, send_activation_s, send_grad_s)
+        nxt = succ.get(iid, [])
+        bound = timing.iteration_s - end_s[s] if not any(j[0] == s for j in nxt) else (
+            float("inf"))
+        for j in nxt:
+            bound = min(bound, timing.start[j])
+        out[iid] = bound - wait - fin
+    return out

@@ -9,13 +9,18 @@ plan and, while some instruction's float (how much later it may finish without d
 iteration, kareus.schedule.latest_finish) covers a slower option of that instruction, moves
 it to the slowest such option. Options are Pareto-sorted, so each move lowers the energy and
 none lengthens the iteration; the pass ends when no instruction can move.
+
+Total floats are shared along paths, so that exact pass recomputes them after every move.
+It is preceded by a fast pass that moves every instruction at once within its free float
+(growth that moves no other start, kareus.schedule.free_float), which is safe to do in
+bulk and leaves the exact pass little to do on large pipelines.
 """
 
 from __future__ import annotations
 
 from kareus.compose.instruction import InstructionOption
 from kareus.core import InstructionId
-from kareus.schedule import latest_finish, schedule
+from kareus.schedule import free_float, latest_finish, schedule
 
 _TOLERANCE = 1e-12
 
@@ -31,7 +36,25 @@ def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
     def duration(iid: InstructionId) -> float:
         return options[(iid[0], iid[2])][choice[iid]].time_s
 
-    while True:
+    def slowest_within(iid: InstructionId, spare: float, tol: float) -> int:
+        opts = options[(iid[0], iid[2])]
+        now = best = choice[iid]
+        while best + 1 < len(opts) and opts[best + 1].time_s - opts[now].time_s <= spare - tol:
+            best += 1
+        return best
+
+    while True:  # bulk: every instruction within its free float
+        timing = schedule(pp, microbatches, duration, list(send_activation_s),
+                          list(send_grad_s), list(end_s))
+        tol = _TOLERANCE * timing.iteration_s
+        free = free_float(pp, microbatches, timing, send_activation_s, send_grad_s, end_s)
+        moves = {iid: slowest_within(iid, f, tol) for iid, f in free.items() if f > tol}
+        moves = {iid: i for iid, i in moves.items() if i != choice[iid]}
+        if not moves:
+            break
+        choice.update(moves)
+
+    while True:  # exact: one move at a time within the total float
         timing = schedule(pp, microbatches, duration, list(send_activation_s),
                           list(send_grad_s), list(end_s))
         latest = latest_finish(pp, microbatches, timing, duration, send_activation_s,
@@ -42,12 +65,8 @@ def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
             spare = latest[iid] - timing.finish[iid]
             if spare <= tol:
                 break  # sorted by float, largest first: nothing after this can move
-            opts = options[(iid[0], iid[2])]
-            now, best = choice[iid], choice[iid]
-            while best + 1 < len(opts) and (opts[best + 1].time_s - opts[now].time_s
-                                            <= spare - tol):
-                best += 1
-            if best != now:
+            best = slowest_within(iid, spare, tol)
+            if best != choice[iid]:
                 choice[iid] = best
                 moved = True
                 break  # floats along this instruction's paths shrank: recompute them
