@@ -6,6 +6,7 @@ plan's predicted iteration time and the simulated one come from the same schedul
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -89,9 +90,10 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
     return Timing(start, finish, [free[s] + end_s[s] for s in range(pp)])
 
 
+@functools.lru_cache(maxsize=32)
 def successors(pp: int, microbatches: int) -> dict[InstructionId, list[InstructionId]]:
     """Per instruction, the instructions that wait for it: the next one on its stage and
-    the one on the adjacent stage that needs its output."""
+    the one on the adjacent stage that needs its output (cached: do not modify)."""
     succ: dict[InstructionId, list[InstructionId]] = {}
     for s in range(pp):
         for a, b in itertools.pairwise(one_f_one_b(pp, microbatches, s)):

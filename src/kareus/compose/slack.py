@@ -10,13 +10,17 @@ iteration, kareus.schedule.latest_finish) covers a slower option of that instruc
 it to the slowest such option. Options are Pareto-sorted, so each move lowers the energy and
 none lengthens the iteration; the pass ends when no instruction can move.
 
-Total floats are shared along paths, so that exact pass recomputes them after every move.
-It is preceded by a fast pass that moves every instruction at once within its free float
-(growth that moves no other start, kareus.schedule.free_float), which is safe to do in
-bulk and leaves the exact pass little to do on large pipelines.
+Total floats are shared along paths: two moves that each fit may not fit together. Each
+round of the exact pass therefore applies the longest prefix of its moves (largest float
+first) that keeps the iteration time, found by bisection (more moves can only lengthen the
+iteration), then recomputes the floats. It is preceded by a fast pass that moves every
+instruction at once within its free float (growth that moves no other start,
+kareus.schedule.free_float), which is safe in bulk.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kareus.compose.instruction import InstructionOption
 from kareus.core import InstructionId
@@ -54,21 +58,55 @@ def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
             break
         choice.update(moves)
 
-    while True:  # exact: one move at a time within the total float
+    while True:  # exact: within the total floats, the longest prefix of moves that fits
         timing = schedule(pp, microbatches, duration, list(send_activation_s),
                           list(send_grad_s), list(end_s))
         latest = latest_finish(pp, microbatches, timing, duration, send_activation_s,
                                send_grad_s, end_s)
         tol = _TOLERANCE * timing.iteration_s
-        moved = False
+        queue: list[tuple[InstructionId, int]] = []
         for iid in sorted(choice, key=lambda i: timing.finish[i] - latest[i]):
             spare = latest[iid] - timing.finish[iid]
             if spare <= tol:
                 break  # sorted by float, largest first: nothing after this can move
             best = slowest_within(iid, spare, tol)
             if best != choice[iid]:
-                choice[iid] = best
-                moved = True
-                break  # floats along this instruction's paths shrank: recompute them
-        if not moved:
+                queue.append((iid, best))
+        if not queue:
             return choice
+        # each move alone keeps the iteration time; moves sharing a path may not together.
+        # More moves can only lengthen the iteration: bisect for the longest prefix that
+        # does not (the first move always fits).
+        limit = timing.iteration_s + tol
+        ok, bad = 1, len(queue) + 1
+        if _iteration_with(queue, choice, duration_fn(options), pp, microbatches,
+                           send_activation_s, send_grad_s, end_s) <= limit:
+            ok = len(queue)
+        else:
+            bad = len(queue)
+            while bad - ok > 1:
+                mid = (ok + bad) // 2
+                if _iteration_with(queue[:mid], choice, duration_fn(options), pp,
+                                   microbatches, send_activation_s, send_grad_s,
+                                   end_s) <= limit:
+                    ok = mid
+                else:
+                    bad = mid
+        choice.update(queue[:ok])
+
+
+def duration_fn(options: dict[tuple[int, str], list[InstructionOption]]
+                ) -> Callable[[dict[InstructionId, int], InstructionId], float]:
+    def duration(choice: dict[InstructionId, int], iid: InstructionId) -> float:
+        return options[(iid[0], iid[2])][choice[iid]].time_s
+
+    return duration
+
+
+def _iteration_with(moves: list[tuple[InstructionId, int]], choice: dict[InstructionId, int],
+                    duration: Callable[[dict[InstructionId, int], InstructionId], float],
+                    pp: int, microbatches: int, send_activation_s: tuple[float, ...],
+                    send_grad_s: tuple[float, ...], end_s: tuple[float, ...]) -> float:
+    trial = {**choice, **dict(moves)}
+    return schedule(pp, microbatches, lambda iid: duration(trial, iid),
+                    list(send_activation_s), list(send_grad_s), list(end_s)).iteration_s
