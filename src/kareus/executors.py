@@ -10,9 +10,12 @@ each search is seeded, so the results are identical whichever executor runs them
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
+import queue as queue_mod
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -97,12 +100,26 @@ def _run_task_as_dict(task: SearchTask) -> dict[str, Any]:
 
 
 # Workers report progress through a queue the parent polls.
-_QUEUE = None
+_QUEUE: Any = None
+
+_PARENT_POLL_S = 0.5
 
 
-def _init_worker(queue) -> None:
+def _init_worker(queue: Any, parent_pid: int) -> None:
     global _QUEUE
     _QUEUE = queue
+    # A worker dies with its parent, SIGKILL of the parent included: a daemon thread polls
+    # the parent and ends this process when it is gone (no parent-death signal is used:
+    # on Linux it fires when the spawning *thread* exits, not the process). A journal row
+    # is one committed transaction, so an exit never leaves a partial row.
+    threading.Thread(target=_exit_with, args=(parent_pid,), daemon=True).start()
+
+
+def _exit_with(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
 
 def _run_in_worker(task: SearchTask) -> dict[str, Any]:
@@ -140,38 +157,30 @@ def _for_key(progress: TaskProgress | None, key: str) -> Callable[[int, int], No
 
 def _run_pool(tasks: list[SearchTask], workers: int, progress: TaskProgress | None
               ) -> list[SearchResult]:
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")  # no forked copies of XGBoost or SQLite state
-    manager = ctx.Manager()
-    q = manager.Queue()
+    """A pool of spawned processes (no forked copies of XGBoost or SQLite state). Leaving
+    the pool's block terminates its workers whatever happened: a failed search, Ctrl-C or
+    SIGTERM stops the others at once instead of waiting for them to finish."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
     results: dict[int, SearchResult] = {}
-    try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                 initializer=_init_worker, initargs=(q,)) as pool:
-            futures = {pool.submit(_run_in_worker, t): i for i, t in enumerate(tasks)}
-            pending = set(futures)
-            while pending:
-                done = {f for f in pending if f.done()}
-                for f in done:
-                    try:
-                        results[futures[f]] = SearchResult.from_dict(f.result())
-                    except BaseException:
-                        # one search failed: do not start the others, report at once
-                        pool.shutdown(wait=False, cancel_futures=True)
-                        raise
-                pending -= done
-                try:
-                    while True:
-                        key, d, n = q.get(timeout=0.05)
-                        if progress is not None:
-                            progress(key, d, n)
-                except queue_mod.Empty:
-                    pass
-    finally:
-        manager.shutdown()
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(q, os.getpid())) as pool:
+        pending = {i: pool.apply_async(_run_in_worker, (t,)) for i, t in enumerate(tasks)}
+        while pending:
+            for i in [i for i, r in pending.items() if r.ready()]:
+                results[i] = SearchResult.from_dict(pending.pop(i).get())  # raises its error
+            _drain(q, progress, timeout_s=0.05)
+        _drain(q, progress, timeout_s=0.0)
     return [results[i] for i in range(len(tasks))]
+
+
+def _drain(q: Any, progress: TaskProgress | None, timeout_s: float) -> None:
+    try:
+        while True:
+            key, done, total = q.get(timeout=timeout_s) if timeout_s else q.get_nowait()
+            if progress is not None:
+                progress(key, done, total)
+    except queue_mod.Empty:
+        pass
 
 
 def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgress | None

@@ -6,6 +6,7 @@ kareus.cli.options); every check lives in the library, which raises KareusError,
 """
 
 
+import signal
 import sys
 from typing import Annotated, Any, NoReturn, Optional
 
@@ -28,8 +29,18 @@ def _root(
         raise typer.Exit(0)
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every cleanup runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: user errors become one line on stderr and exit status 2."""
+    """Entry point: user errors become one line on stderr and exit status 2; Ctrl-C and
+    SIGTERM stop every worker and exit 130 and 143."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         rv: Any = app(args=argv, prog_name="kareus", standalone_mode=False)
     except KareusError as exc:
@@ -41,6 +52,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("kareus: interrupted\n")
         sys.exit(130)
+    except Terminated:
+        sys.stderr.write("kareus: terminated\n")
+        sys.exit(143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
