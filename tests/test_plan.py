@@ -47,3 +47,24 @@ def test_load_frontier_errors(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({"schema_version": 1, "methods": {}}))
     with pytest.raises(KareusError, match="no method 'kareus'"):
         ResultDir(tmp_path).frontier("kareus")
+
+
+def test_a_deadline_or_budget_typed_from_a_table_still_matches():
+    front = [{"time_s": 3.6901, "energy_j": 18_624.6, "plan": "x"},
+             {"time_s": 4.2, "energy_j": 17_000.0, "plan": "y"}]
+    assert select(front, "deadline", 3.690)["plan"] == "x"  # printed as 3.690
+    assert select(front, "energy-budget", 18_620.0)["plan"] == "x"  # printed as 18.62 kJ
+    with pytest.raises(KareusError, match="no plan meets"):
+        select(front, "deadline", 3.689)
+
+
+def test_methods_by_display_name_alias_or_any_case():
+    from kareus.methods import get_method
+
+    assert get_method("Nanobatching+Perseus").name == "nanobatch_perseus"
+    assert get_method("nanobatching + perseus").name == "nanobatch_perseus"
+    assert get_method("KAREUS_NO_SCHED").name == "nanobatch_perseus"
+    assert get_method("Megatron-LM").name == "megatron"
+    assert get_method("Perseus").name == "perseus"
+    with pytest.raises(KareusError, match="unknown method"):
+        get_method("zeus")

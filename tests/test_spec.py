@@ -127,3 +127,17 @@ def test_bad_job_files(tmp_path):
     f.write_text("model: [unclosed\n")
     with pytest.raises(SpecError, match="cannot parse"):
         build_job(config=f)
+
+
+def test_job_files_report_every_unknown_key_and_yaml_positions(tmp_path):
+    from kareus.errors import SpecError
+    from kareus.sources import build_job
+
+    typos = tmp_path / "typos.yaml"
+    typos.write_text("preset: kareus-1\ntpp: 4\nmicrobatchs: 3\n")
+    with pytest.raises(SpecError, match="unknown fields: tpp, microbatchs"):
+        build_job(config=str(typos))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("preset: kareus-1\ntp: [4\n")
+    with pytest.raises(SpecError, match=r"line 3, column 1: expected ','"):
+        build_job(config=str(broken))

@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,12 +38,39 @@ class ExecutorSpec:
     name: str = "local"
     workers: int | None = None
     ray_address: str | None = None
+    ray_timeout_s: float = 30.0
+    """How long to try reaching the Ray cluster before one clear error."""
 
     def check(self) -> None:
+        """Bad settings, and an unreachable Ray cluster, fail here: before any work starts
+        and before anything is written."""
         if self.name not in EXECUTORS:
             raise SpecError(f"unknown executor {self.name!r}; known: {', '.join(EXECUTORS)}")
         if self.workers is not None and self.workers < 1:
             raise SpecError(f"--workers must be at least 1, got {self.workers}")
+        if self.ray_timeout_s <= 0:
+            raise SpecError(f"--ray-timeout must be positive, got {self.ray_timeout_s}")
+        if self.name == "ray" and self.ray_address not in (None, "auto", "local"):
+            _probe(self.ray_address, self.ray_timeout_s)
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Reach the cluster's address (GCS "host:port" or Ray Client "ray://host:port") with
+    a plain TCP connection: Ray's own client retries an unreachable address for minutes."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise SpecError(f"--ray-address must be host:port or ray://host:port, got {address!r}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as exc:
+            if time.monotonic() + 1.0 > deadline:
+                raise KareusError(f"cannot reach the Ray cluster at {address} within "
+                                  f"{timeout_s:g} s: {exc}") from None
+            time.sleep(1.0)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kareus.atomic import write_text_atomic
 from kareus.errors import KareusError
 from kareus.plan import Plan
 from kareus.schedule import one_f_one_b
@@ -47,6 +48,6 @@ def export_plan(plan: Plan, job: dict, fmt: str, out: str | Path) -> None:
 
 def _write(path: Path, text: str) -> None:
     try:
-        path.write_text(text)
+        write_text_atomic(path, text)
     except OSError as exc:
         raise KareusError(f"cannot write {path}: {exc}") from None

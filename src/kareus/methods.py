@@ -109,10 +109,19 @@ def method_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def _normal(text: str) -> str:
+    return "".join(c for c in text.lower() if c.isalnum())
+
+
 def get_method(name: str) -> Method:
-    """A method by name or alias; one clear error for an unknown one."""
+    """A method by name, alias or display name, case, spaces and punctuation ignored
+    ("Nanobatching+Perseus", "kareus_no_sched"); one clear error for an unknown one."""
     for m in _REGISTRY.values():
         if name == m.name or name in m.aliases:
+            return m
+    wanted = _normal(name)
+    for m in _REGISTRY.values():
+        if wanted in {_normal(n) for n in (m.name, m.display_name, *m.aliases)}:
             return m
     raise SpecError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)}")
 

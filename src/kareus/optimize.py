@@ -4,6 +4,7 @@ plans, write the result directory (kareus.resultdir)."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from kareus.backends.base import PlanSimulator
@@ -22,14 +23,14 @@ from kareus.result import OptimizeResult
 from kareus.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
 from kareus.spec import JobSpec
-from kareus.store import Journal
+from kareus.store import Journal, job_id
 
 
 def check_optimize(job: JobSpec, out_dir: str, config: SearchConfig,
-                   backend: BackendSpec, executor: ExecutorSpec) -> None:
+                   backend: BackendSpec, executor: ExecutorSpec, force: bool = False) -> None:
     """Everything that can fail on bad input, checked before any work starts."""
     executor.check()
-    ResultDir(out_dir).check_writable()
+    ResultDir(out_dir).check_writable(job_id(job), force)
     backend.check(job)
     ps = PartitionSet.from_job(job)
     for key in ps.keys:
@@ -39,9 +40,13 @@ def check_optimize(job: JobSpec, out_dir: str, config: SearchConfig,
 def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
              backend: BackendSpec | None = None, executor: ExecutorSpec | None = None,
              methods: Sequence[str] | None = None, progress: TaskProgress | None = None,
-             stage: Callable[[str], None] | None = None) -> OptimizeResult:
+             stage: Callable[[str], None] | None = None, force: bool = False
+             ) -> OptimizeResult:
+    """Search, compose, validate, write ``out_dir`` (kareus.resultdir). ``force``: replace
+    the result of another job in ``out_dir`` (its measurements stay in the journal)."""
     spec = backend or BackendSpec()
     rd = ResultDir(out_dir)
+    rd.check_writable(job_id(job), force)
     rd.prepare()
     ps = PartitionSet.from_job(job)
     say = stage or (lambda _msg: None)
@@ -69,7 +74,8 @@ def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
     plans, worst = _plans(chosen, solved, f_max, simulator)
     timings["compose"] = time.perf_counter() - t0
     metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v] for m, v in plans.items()})
-    result = OptimizeResult(job, plans, searches, metrics, worst, timings)
+    result = OptimizeResult(job, plans, searches, metrics, worst, timings,
+                            run_id=uuid.uuid4().hex[:12])
     rd.write(result)
     return result
 

@@ -15,6 +15,12 @@ from kareus.execution import ExecutionPlan
 
 OBJECTIVES = ("max-throughput", "min-energy", "deadline", "energy-budget")
 
+DEADLINE_TOLERANCE_S = 0.0005
+"""Tables print iteration times with 3 decimals: a deadline typed from them (3.690 for
+3.6901 s) still selects that plan."""
+ENERGY_TOLERANCE_J = 5.0
+"""Tables print energies in kJ with 2 decimals (half a step: 5 J)."""
+
 
 @dataclass
 class Plan:
@@ -69,7 +75,7 @@ def select(frontier: list[dict], objective: str, value: float | None = None) -> 
     if value is None or not value > 0:
         raise KareusError(f"--{objective} needs a positive number")
     if objective == "deadline":
-        ok = [p for p in frontier if p["time_s"] <= value]
+        ok = [p for p in frontier if p["time_s"] <= value + DEADLINE_TOLERANCE_S]
         if not ok:
             fastest = min(p["time_s"] for p in frontier)
             raise KareusError(f"no plan meets a {value:g} s deadline: iteration times range "
@@ -77,7 +83,7 @@ def select(frontier: list[dict], objective: str, value: float | None = None) -> 
                               f" s")
         return min(ok, key=lambda p: (p["energy_j"], p["time_s"]))
     if objective == "energy-budget":
-        ok = [p for p in frontier if p["energy_j"] <= value]
+        ok = [p for p in frontier if p["energy_j"] <= value + ENERGY_TOLERANCE_J]
         if not ok:
             least = min(p["energy_j"] for p in frontier)
             raise KareusError(f"no plan fits a {value:g} J budget: iteration energies range "

@@ -9,6 +9,7 @@ from kareus import SCHEMA_VERSION
 from kareus.plan import Plan
 from kareus.search.loop import SearchResult
 from kareus.spec import JobSpec
+from kareus.store import job_id
 
 _SEARCH_FIELDS = ("partition", "strategy", "measured_this_run", "reused_from_journal",
                   "stopped", "hypervolume", "profiling_cost_s")
@@ -25,6 +26,12 @@ class OptimizeResult:
     """Largest relative difference between a plan's composed and simulated time or energy;
     None where no simulation validated the plans."""
     timings_s: dict[str, float] = field(default_factory=dict)
+    run_id: str = ""
+    """This run's id: result.json and every plan file of the run carry it."""
+
+    @property
+    def job_id(self) -> str:
+        return job_id(self.job)
 
     def frontier_points(self) -> dict[str, list[tuple[float, float]]]:
         return {m: [(p.time_s, p.energy_j) for p in ps] for m, ps in self.plans.items()}
@@ -32,6 +39,8 @@ class OptimizeResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "job_id": self.job_id,
             "job": self.job.model_dump(mode="json"),
             "methods": {
                 m: {"frontier": [{**{k: v for k, v in p.summary().items()

@@ -6,15 +6,21 @@
     DIR/plans/<id>.json  every plan on every frontier
     DIR/frontier.png     all methods' frontiers on one plot
     DIR/report.md        what was searched, the frontiers, the metrics, how to apply a plan
+
+A run builds its result in a temporary directory beside DIR and swaps it in at the end;
+result.json and every plan file carry the run's id and the job's id, and a plan file that
+result.json does not list, or that another run wrote, is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from kareus import SCHEMA_VERSION
+from kareus.atomic import exchange_dirs, remove_tree
 from kareus.errors import KareusError
 from kareus.jsonfile import read_json_object
 from kareus.plan import Plan
@@ -52,31 +58,67 @@ class ResultDir:
 
     # Writing ------------------------------------------------------------------------------
 
-    def check_writable(self) -> None:
-        """Fail before any work starts when the directory cannot be one."""
+    def check_writable(self, job_id: str | None = None, force: bool = False) -> None:
+        """Fail before any work starts when the directory cannot be one, or holds the result
+        of another job (unless ``force``: the journal keeps both jobs' measurements)."""
         if self.path.exists() and not self.path.is_dir():
             raise KareusError(f"cannot create {self.path}: it is a file, not a directory")
+        if job_id is None or force or not self.result_file.is_file():
+            return
+        try:
+            other = read_json_object(self.result_file, "result").get("job_id")
+        except KareusError:
+            return  # unreadable: replaced by this run
+        if other is not None and other != job_id:
+            raise KareusError(f"{self.path} holds the result of another job ({other}); "
+                              f"choose another --out, or --force to replace it")
 
     def prepare(self) -> None:
+        """The directory, with its journal; leftovers of killed runs are removed."""
         self.check_writable()
         try:
-            self.plans_dir.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise KareusError(f"cannot create {self.plans_dir}: {exc}") from None
+            raise KareusError(f"cannot create {self.path}: {exc}") from None
+        for stale in self.path.parent.glob(f".{self.path.name}.tmp-*"):
+            remove_tree(stale)
 
     def write(self, result: OptimizeResult) -> None:
+        """Build the new result beside the directory, then swap it in: a reader sees the
+        old result or the new one, never a mix. The journal and any other file of the
+        directory are carried over (hard links: the journal is never absent or copied)."""
         from kareus.report import frontier_figure, markdown_report
 
+        tmp = self.path.parent / f".{self.path.name}.tmp-{result.run_id or 'run'}"
+        new = ResultDir(tmp)
         job_doc = result.job.model_dump(mode="json")
+        stamp = {"run_id": result.run_id, "job_id": result.job_id}
         try:
+            remove_tree(tmp)
+            new.plans_dir.mkdir(parents=True)
             for plans in result.plans.values():
                 for p in plans:
-                    self.plan_file(p.id).write_text(json.dumps(p.to_dict(job_doc)))
-            self.result_file.write_text(json.dumps(result.to_dict(), indent=1))
-            frontier_figure(result.frontier_points(), self.figure, result.job.describe())
-            self.report.write_text(markdown_report(result, self.path))
+                    new.plan_file(p.id).write_text(json.dumps({**p.to_dict(job_doc), **stamp}))
+            frontier_figure(result.frontier_points(), new.figure, result.job.describe())
+            new.report.write_text(markdown_report(result, self.path))
+            new.result_file.write_text(json.dumps(result.to_dict(), indent=1))
+            self._carry_over(tmp)
+            exchange_dirs(self.path, tmp)
         except OSError as exc:
             raise KareusError(f"cannot write the result to {self.path}: {exc}") from None
+        remove_tree(tmp)  # now the old result
+
+    def _carry_over(self, tmp: Path) -> None:
+        """Everything in the directory that is not a result file goes into the new one."""
+        ours = {self.result_file.name, self.plans_dir.name, self.figure.name,
+                self.report.name}
+        for entry in self.path.iterdir():
+            if entry.name in ours:
+                continue
+            if entry.is_file():
+                os.link(entry, tmp / entry.name)
+            else:
+                os.rename(entry, tmp / entry.name)
 
     # Reading ------------------------------------------------------------------------------
 
@@ -103,9 +145,32 @@ class ResultDir:
         except (KeyError, TypeError, ValueError):
             raise KareusError(f"{path}: corrupt frontier of {method}") from None
 
+    def plan_ids(self) -> set[str]:
+        methods = self.read_result().get("methods")
+        if not isinstance(methods, dict):
+            return set()
+        return {str(p.get("plan")) for m in methods.values() if isinstance(m, dict)
+                for p in m.get("frontier", []) if isinstance(p, dict)}
+
     def read_plan(self, plan_id: str) -> tuple[Plan, dict[str, Any]]:
-        """A plan and the job it is for (from the plan file, else from result.json)."""
+        """A plan of this result and the job it is for. A plan file that result.json does
+        not list, or that another run wrote, is refused."""
+        result = self.read_result()
+        if plan_id not in self.plan_ids():
+            raise KareusError(f"{self.result_file} lists no plan {plan_id!r}; `kareus plan "
+                              f"--result {self.path} --json` shows its plans")
         doc = read_json_object(self.plan_file(plan_id), "plan")
+        if doc.get("run_id") != result.get("run_id"):
+            raise KareusError(f"{self.plan_file(plan_id)} was written by another run than "
+                              f"{self.result_file}; rerun `kareus optimize`")
         plan = Plan.from_dict(doc)
-        job = doc.get("job") or self.read_result()["job"]
+        job = doc.get("job") or result["job"]
         return plan, job
+
+    def owns(self, path: str | Path) -> bool:
+        """Whether ``path`` is one of this result directory's own files."""
+        p = Path(path).resolve()
+        root = self.path.resolve()
+        own = {self.result_file.name, self.figure.name, self.report.name, self.journal.name,
+               self.journal.name + "-wal", self.journal.name + "-shm"}
+        return (p.parent == root and p.name in own) or p.is_relative_to(root / "plans")

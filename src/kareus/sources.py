@@ -104,6 +104,11 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise SpecError(f"job file not found: {p}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpecError(f"cannot parse job file {p}: {where}"
+                        f"{exc.problem or exc.context or 'invalid YAML'}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"cannot parse job file {p}: {first}") from None

@@ -239,8 +239,14 @@ class JobSpec(BaseModel):
 
 
 def first_error_line(exc: ValidationError) -> str:
-    """One readable line from a pydantic ValidationError (the first problem found)."""
-    err = exc.errors(include_url=False)[0]
+    """One readable line from a pydantic ValidationError: every unknown field at once (a
+    job file with several typos is fixed in one go), else the first problem found."""
+    errors = exc.errors(include_url=False)
+    unknown = [".".join(str(p) for p in e.get("loc", ())) for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}"
+    err = errors[0]
     msg = str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")

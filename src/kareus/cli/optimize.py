@@ -35,19 +35,22 @@ def optimize(
         "--budget", help="Search samples per partition.")] = 100,
     tolerance: Annotated[float, typer.Option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace the result of another job in --out (the journal keeps "
+                        "both jobs' measurements).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Search every partition, compose the iteration frontiers of every method, write
     DIR/result.json, DIR/plans/, DIR/frontier.png and DIR/report.md."""
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
-    check_optimize(job, out, config, backend, executor)
+    check_optimize(job, out, config, backend, executor, force)
     if json_out:
-        print_json(run_optimize(job, out, config, backend, executor).to_dict())
+        print_json(run_optimize(job, out, config, backend, executor, force=force).to_dict())
         return
     bar, update = progress_bars(PartitionSet.from_job(job).keys)
     with bar:
         result = run_optimize(job, out, config, backend, executor, progress=update,
-                              stage=lambda msg: bar.console.log(msg))
+                              stage=lambda msg: bar.console.log(msg), force=force)
     _print_frontiers(job, result, out)
 
 

@@ -94,10 +94,14 @@ def with_executor() -> Callable[[F], F]:
         ("workers", Annotated[Optional[int], _opt(
             "--workers", panel=p, help="Local processes (default: one per partition, up to "
             "the CPUs).")], None),
+        ("ray_timeout", Annotated[float, _opt(
+            "--ray-timeout", panel=p, help="Seconds to try reaching --ray-address before "
+            "giving up.")], 30.0),
     ]
 
     def build(v: dict[str, Any]) -> ExecutorSpec:
-        spec = ExecutorSpec(v["executor_name"], v["workers"], v["ray_address"])
+        spec = ExecutorSpec(v["executor_name"], v["workers"], v["ray_address"],
+                            v["ray_timeout"])
         spec.check()
         return spec
 

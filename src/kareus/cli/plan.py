@@ -1,6 +1,8 @@
 """Choosing and exporting plans from a result directory: plan, plan export."""
 
 
+import contextlib
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -8,6 +10,7 @@ import typer
 from kareus.cli.app import JsonFlag, app, console, print_json
 from kareus.errors import KareusError
 from kareus.export import export_plan
+from kareus.methods import get_method
 from kareus.plan import objective_of, select
 from kareus.resultdir import ResultDir
 
@@ -38,6 +41,8 @@ def plan(
     if result is None:
         raise KareusError("--result DIR is required")
     objective, value = objective_of(max_throughput, min_energy, deadline, energy_budget)
+    with contextlib.suppress(KareusError):  # unknown here: the result lists its methods
+        method = get_method(method).name  # display names and aliases, any case
     rd = ResultDir(result)
     point = select(rd.frontier(method), objective, value)
     p, _job = rd.read_plan(point["plan"])
@@ -60,8 +65,17 @@ def plan_export(
     out: Annotated[str, typer.Option("--out", help="File to write.")],
     fmt: Annotated[str, typer.Option(
         "--format", help="zeus (frequency schedule for Zeus's server) or json.")] = "json",
+    force: Annotated[bool, typer.Option(
+        "--force", help="Overwrite --out if it exists (never a result directory's own "
+                        "files).")] = False,
 ) -> None:
     """Write a plan as Kareus JSON or as a Zeus pipeline frequency schedule."""
-    p, job = ResultDir(result).read_plan(plan_id)
+    rd = ResultDir(result)
+    if rd.owns(out):
+        raise KareusError(f"{out} is a file of the result directory {result}; write the "
+                          f"plan elsewhere")
+    if Path(out).exists() and not force:
+        raise KareusError(f"{out} exists; choose another --out, or --force to overwrite it")
+    p, job = rd.read_plan(plan_id)
     export_plan(p, job, fmt, out)
     console.print(f"{p.id} written to {out} ({fmt})")

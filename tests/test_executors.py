@@ -107,3 +107,18 @@ def test_json_output_is_only_json():
     r = run_cli("search", "-p", "kareus-1", "--partition", "fwd_mlp", "--budget", "20",
                 "--json")
     json.loads(r.out)
+
+
+def test_unreachable_ray_cluster_is_one_error_and_writes_nothing(tmp_path):
+    import time
+
+    out = tmp_path / "never"
+    t0 = time.monotonic()
+    r = run_cli("optimize", "-p", "kareus-1", "--executor", "ray", "--ray-address",
+                "127.0.0.1:1", "--ray-timeout", "2", "--out", str(out))
+    assert r.code == 2 and time.monotonic() - t0 < 30
+    assert "cannot reach the Ray cluster at 127.0.0.1:1 within 2 s" in r.err
+    assert len(r.err.strip().splitlines()) == 1
+    assert not out.exists()
+    r = run_cli("search", "-p", "kareus-1", "--executor", "ray", "--ray-address", "nonsense")
+    assert r.code == 2 and "host:port" in r.err

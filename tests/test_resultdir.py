@@ -1,0 +1,132 @@
+"""The result directory: swapped in whole, stamped with the run, refusing stale plans."""
+
+import dataclasses
+import json
+
+import pytest
+
+from kareus.errors import KareusError
+from kareus.executors import ExecutorSpec
+from kareus.optimize import optimize
+from kareus.resultdir import ResultDir
+from kareus.search import SearchConfig
+from kareus.sources import build_job
+from kareus.store import Journal, job_id
+from tests.conftest import run_cli
+
+JOB = build_job("kareus-1", overrides={"num_microbatches": 4,
+                                       "search_freqs_mhz": (1410, 1200)})
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rd") / "run"
+    result = optimize(JOB, str(out), SearchConfig(budget=20, seed=1),
+                      executor=ExecutorSpec(workers=1))
+    return ResultDir(out), result
+
+
+def _consistent(rd: ResultDir) -> str:
+    """Every listed plan readable and of the listed run; no other plan file."""
+    doc = rd.read_result()
+    listed = rd.plan_ids()
+    assert {p.stem for p in rd.plans_dir.glob("*.json")} == listed
+    for pid in listed:
+        plan, _job = rd.read_plan(pid)
+        assert plan.id == pid
+    return doc["run_id"]
+
+
+def test_result_and_plans_carry_the_run_and_the_job(first):
+    rd, result = first
+    doc = rd.read_result()
+    assert doc["run_id"] == result.run_id and doc["job_id"] == job_id(JOB)
+    plan = json.loads(rd.plan_file(doc["methods"]["kareus"]["frontier"][0]["plan"])
+                      .read_text())
+    assert plan["run_id"] == result.run_id and plan["job_id"] == job_id(JOB)
+    assert _consistent(rd) == result.run_id
+
+
+@pytest.mark.parametrize("failing", ["kareus.report.markdown_report",
+                                     "kareus.resultdir.exchange_dirs"])
+def test_a_crash_while_writing_leaves_the_old_result(first, monkeypatch, failing):
+    rd, result = first
+    before = _consistent(rd)
+    rows = len(Journal(rd.journal).summary())
+
+    def crash(*_args, **_kwargs):
+        raise OSError("killed here")
+
+    monkeypatch.setattr(failing, crash)
+    with pytest.raises(KareusError, match="cannot write the result"):
+        rd.write(dataclasses.replace(result, run_id="crashed"))
+    assert _consistent(rd) == before
+    assert len(Journal(rd.journal).summary()) == rows  # the journal stays in place
+    monkeypatch.undo()
+    rd.prepare()  # the next run removes what the crashed one left beside the directory
+    assert not list(rd.path.parent.glob(f".{rd.path.name}.tmp-*"))
+
+
+def test_a_rewrite_replaces_every_plan_and_keeps_the_journal(first):
+    rd, result = first
+    with Journal(rd.journal) as j:
+        n = sum(r["measurements"] for r in j.summary())
+    fewer = {m: ps[:1] for m, ps in result.plans.items()}
+    rd.write(dataclasses.replace(result, plans=fewer, run_id="second"))
+    assert _consistent(rd) == "second"
+    assert len(rd.plan_ids()) == len(fewer)
+    with Journal(rd.journal) as j:
+        assert sum(r["measurements"] for r in j.summary()) == n
+    rd.write(result)  # back, for the other tests
+    assert _consistent(rd) == result.run_id
+
+
+def test_stale_and_foreign_plan_files_are_refused(first, tmp_path):
+    rd, _result = first
+    listed = sorted(rd.plan_ids())[0]
+    stale = rd.plan_file("kareus-999")
+    stale.write_text(rd.plan_file(listed).read_text())
+    try:
+        with pytest.raises(KareusError, match="lists no plan 'kareus-999'"):
+            rd.read_plan("kareus-999")
+        r = run_cli("plan", "export", "--result", str(rd.path), "--plan", "kareus-999",
+                    "--out", str(tmp_path / "x.json"))
+        assert r.code == 2 and not (tmp_path / "x.json").exists()
+    finally:
+        stale.unlink()
+    doc = json.loads(rd.plan_file(listed).read_text())
+    rd.plan_file(listed).write_text(json.dumps({**doc, "run_id": "another"}))
+    try:
+        with pytest.raises(KareusError, match="another run"):
+            rd.read_plan(listed)
+    finally:
+        rd.plan_file(listed).write_text(json.dumps(doc))
+
+
+def test_out_of_another_job_is_refused_unless_forced(first):
+    rd, _result = first
+    other = build_job("kareus-1")
+    with pytest.raises(KareusError, match="another job"):
+        rd.check_writable(job_id(other))
+    rd.check_writable(job_id(other), force=True)
+    rd.check_writable(job_id(JOB))
+    r = run_cli("optimize", "-p", "kareus-1", "--out", str(rd.path), "--budget", "20")
+    assert r.code == 2 and "another job" in r.err and "--force" in r.err
+
+
+def test_plan_export_never_overwrites_without_force(first, tmp_path):
+    rd, _result = first
+    pid = sorted(rd.plan_ids())[0]
+    out = tmp_path / "plan.json"
+    args = ["plan", "export", "--result", str(rd.path), "--plan", pid]
+    assert run_cli(*args, "--out", str(out)).code == 0
+    out.write_text("mine")
+    r = run_cli(*args, "--out", str(out))
+    assert r.code == 2 and "exists" in r.err and out.read_text() == "mine"
+    assert run_cli(*args, "--out", str(out), "--force").code == 0
+    assert json.loads(out.read_text())["id"] == pid
+    for own in (rd.result_file, rd.plan_file(pid), rd.report):
+        before = own.read_bytes()
+        r = run_cli(*args, "--out", str(own), "--force")
+        assert r.code == 2 and "result directory" in r.err
+        assert own.read_bytes() == before
