@@ -76,7 +76,16 @@ def test_optimize_cli_and_rerun_reuses_the_journal(tmp_path):
     first = run_cli(*args)
     assert first.code == 0, first.err
     again = run_cli(*args).json()
-    assert all(s["measured_this_run"] == 0 for s in again["searches"])
+    # an unchanged rerun measures nothing and writes the same result: plan ids and run id
+    # included; only what this run did (times, measured / reused) differs
+    assert all(r["measured_this_run"] == 0 for r in again["this_run"].values())
+    assert all(r["reused_from_journal"] == 20 for r in again["this_run"].values())
+
+    def content(doc):
+        return {k: v for k, v in doc.items() if k not in ("timings_s", "this_run")}
+
+    assert content(again) == content(first.json())
+    assert json.loads((out / "result.json").read_text())["run_id"] == first.json()["run_id"]
     table = run_cli("optimize", "-p", "kareus-1", "--out", str(out), "--budget", "20")
     assert table.code == 0 and "Kareus" in table.out
 

@@ -4,7 +4,6 @@ plans, write the result directory (kareus.resultdir)."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 from kareus.backends.base import PlanSimulator
@@ -74,8 +73,8 @@ def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
     plans, worst = _plans(chosen, solved, f_max, simulator)
     timings["compose"] = time.perf_counter() - t0
     metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v] for m, v in plans.items()})
-    result = OptimizeResult(job, plans, searches, metrics, worst, timings,
-                            run_id=uuid.uuid4().hex[:12])
+    result = OptimizeResult(job, plans, searches, metrics, worst, timings)
+    result.run_id = result.content_id()
     rd.write(result)
     return result
 

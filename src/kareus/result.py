@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,8 +13,11 @@ from kareus.search.loop import SearchResult
 from kareus.spec import JobSpec
 from kareus.store import job_id
 
-_SEARCH_FIELDS = ("partition", "strategy", "measured_this_run", "reused_from_journal",
-                  "stopped", "hypervolume", "profiling_cost_s")
+_SEARCH_FIELDS = ("partition", "strategy", "stopped", "hypervolume")
+_RUN_FIELDS = ("measured_this_run", "reused_from_journal", "profiling_cost_s")
+_PER_RUN = ("timings_s", "this_run", "run_id")
+"""What a rerun that finds everything in the journal changes in result.json: the times,
+what this run measured or took from the journal, and nothing else."""
 
 
 @dataclass
@@ -27,11 +32,19 @@ class OptimizeResult:
     None where no simulation validated the plans."""
     timings_s: dict[str, float] = field(default_factory=dict)
     run_id: str = ""
-    """This run's id: result.json and every plan file of the run carry it."""
+    """This run's id (`content_id`): result.json and every plan file of the run carry it."""
 
     @property
     def job_id(self) -> str:
         return job_id(self.job)
+
+    def content_id(self) -> str:
+        """A run id that names the result itself (timings aside): a rerun that finds
+        everything in the journal writes the same result.json, run id included, and a
+        plan file of any other result is told apart."""
+        doc = {k: v for k, v in self.to_dict().items() if k not in _PER_RUN}
+        text = json.dumps(doc, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def frontier_points(self) -> dict[str, list[tuple[float, float]]]:
         return {m: [(p.time_s, p.energy_j) for p in ps] for m, ps in self.plans.items()}
@@ -53,4 +66,6 @@ class OptimizeResult:
                          | {"samples": len(s.samples), "frontier": len(s.frontier)}
                          for s in self.searches],
             "timings_s": self.timings_s,
+            "this_run": {s.partition: {k: getattr(s, k) for k in _RUN_FIELDS}
+                         for s in self.searches},
         }

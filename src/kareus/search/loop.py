@@ -190,22 +190,32 @@ class _Recorder:
             assert journal is not None
             journal.register_backend(self.backend_id, backend_info(backend))
         self.samples: dict[Knobs, Sample] = {}
+        self._journal: dict[Knobs, Measurement] = {}
         self.measured = 0
         self.cost_s = 0.0
         self._last_freq: int | None = None
 
     def preload(self, space: KnobSpace) -> None:
+        """What the journal holds for this partition and backend: a setting the search asks
+        for is taken from there instead of measured. The search itself starts from nothing
+        and takes the same path as the run that filled the journal (same seed, same values),
+        so a rerun of an unchanged search measures nothing and ends where it ended."""
         if self.journal is None:
             return
         for s in self.journal.samples(self.jid, self.p.key, self.backend_id):
             if space.contains(s.knobs):
-                self.samples[s.knobs] = Sample(s.knobs, s.measurement, reused=True)
+                self._journal[s.knobs] = s.measurement
 
     def measure(self, batch: list[Knobs]) -> None:
         # one clock at a time: settings of a batch are run grouped by frequency, so the
         # GPU settles once per clock change
         for k in sorted(batch, key=lambda k: (-k.freq_mhz, k.sms, k.slot or "")):
             if k in self.samples:
+                continue
+            stored = self._journal.get(k)
+            if stored is not None:
+                self.samples[k] = Sample(k, stored, reused=True)
+                self._report()
                 continue
             m = self.backend.measure(self.p, k)
             if self.record:
@@ -215,8 +225,11 @@ class _Recorder:
             self.measured += 1
             self.cost_s += self.protocol.cost_s(clock_changed=k.freq_mhz != self._last_freq)
             self._last_freq = k.freq_mhz
-            if self.progress is not None:
-                self.progress(len(self.samples), self.budget)
+            self._report()
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(len(self.samples), self.budget)
 
 
 def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...],
@@ -234,8 +247,6 @@ def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...
     budget = len(space) if config.strategy == "exhaustive" else min(config.budget, len(space))
     rec = _Recorder(partition, backend, journal, job_id, budget, progress, record)
     rec.preload(space)
-    if progress is not None:
-        progress(len(rec.samples), budget)  # what the journal already holds
     rng = np.random.default_rng(config.seed)
     history: list[tuple[int, float]] = []
     stopped = "budget"
@@ -252,7 +263,7 @@ def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...
         stopped = "exhausted" if config.strategy != "exhaustive" else "budget"
     if not history:
         history.append((len(rec.samples), _current_hv(rec, None)))
-    samples = list(rec.samples.values())  # journal samples first, then measurement order
+    samples = list(rec.samples.values())  # in the order the search took them
     return SearchResult(partition.key, config.strategy, config.seed, samples, history,
                         rec.measured, rec.cost_s, stopped)
 
