@@ -22,7 +22,8 @@ __all__ = ["app", "main"]
 
 @app.callback(invoke_without_command=True)
 def _root(
-    version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
+    version: Annotated[bool, typer.Option("--version", help="Print the version.",
+                                          metavar="")] = False,
 ) -> None:
     if version:
         sys.stdout.write(f"kareus {__version__}\n")

@@ -18,9 +18,12 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console()
+# Piped or redirected output is not cut at 80 columns; in a narrow terminal table cells fold
+# onto more lines instead of being cut (keys, method and GPU names stay whole).
+console = Console() if sys.stdout.isatty() else Console(width=200)
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.",
+                                        metavar="")]
 
 
 def print_json(obj: dict[str, Any]) -> None:
@@ -28,14 +31,15 @@ def print_json(obj: dict[str, Any]) -> None:
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True)
+    """Progress and log lines: no source-file locations on log lines."""
+    return Console(stderr=True, log_path=False)
 
 
 def table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()) -> Table:
     """A table whose columns are right-aligned numbers except those named in ``left``."""
     t = Table(title=title)
     for col in columns:
-        t.add_column(col, justify="left" if col in left else "right")
+        t.add_column(col, justify="left" if col in left else "right", overflow="fold")
     return t
 
 

@@ -5,10 +5,10 @@ presets, gpus."""
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.table import Table
 
 from kareus import SCHEMA_VERSION
 from kareus.cli.app import JsonFlag, app, console, print_json
+from kareus.cli.app import table as make_table
 from kareus.cli.job import with_job
 from kareus.hardware import get_gpu, gpu_names
 from kareus.partition import PartitionSet
@@ -36,10 +36,10 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
         print_json(ps.to_dict())
         return
     nfreq = len(job.freqs_mhz)
-    table = Table(title=f"Partitions of {job.describe()}")
-    for col in ("key", "dir", "collective", "MiB", "slots", "SMs", "per stage", "settings",
-                "GFLOP"):
-        table.add_column(col, justify="right" if col in {"MiB", "settings", "GFLOP"} else "left")
+    table = make_table(f"Partitions of {job.describe()}",
+                       ("key", "dir", "collective", "MiB", "slots", "SMs", "per stage",
+                        "settings", "GFLOP"),
+                       left=("key", "dir", "collective", "slots", "SMs", "per stage"))
     for p in ps.partitions.values():
         c = p.collective
         sms = p.sm_choices
@@ -104,9 +104,9 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
         print_json(graph_dict(g))
         return
     for title, ops in (("forward", g.layer_forward), ("backward", g.layer_backward)):
-        table = Table(title=f"One layer, {title}, one nanobatch, one rank")
-        for col in ("op", "kind", "GFLOP", "MiB", "shape / group"):
-            table.add_column(col, justify="right" if col in {"GFLOP", "MiB"} else "left")
+        table = make_table(f"One layer, {title}, one nanobatch, one rank",
+                           ("op", "kind", "GFLOP", "MiB", "shape / group"),
+                           left=("op", "kind", "shape / group"))
         for op in ops:
             if isinstance(op, Collective):
                 extra = f"{op.group}{op.group_size}"
@@ -119,9 +119,9 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
         f"Per layer and microbatch: forward {_gflop(lf['forward'])} GFLOP, recompute "
         f"{_gflop(lf['recompute'])}, backward {_gflop(lf['backward'])}"
     )
-    table = Table(title=f"Stages of {job.describe()}")
-    for col in ("stage", "layers", "params/GPU", "TFLOP/microbatch", "TFLOP/iteration"):
-        table.add_column(col, justify="right")
+    table = make_table(f"Stages of {job.describe()}",
+                       ("stage", "layers", "params/GPU", "TFLOP/microbatch",
+                        "TFLOP/iteration"))
     for s in g.stages:
         table.add_row(str(s.index), str(s.num_layers), f"{s.params / 1e6:,.1f} M",
                       f"{g.stage_microbatch_flops(s) / 1e12:,.2f}",
@@ -139,9 +139,7 @@ def presets(json_out: JsonFlag = False) -> None:
         print_json({"schema_version": SCHEMA_VERSION, "jobs": jobs,
                     "models": MODEL_PRESETS})
         return
-    table = Table(title="Job presets")
-    table.add_column("name")
-    table.add_column("job")
+    table = make_table("Job presets", ("name", "job"), left=("name", "job"))
     for name, text in jobs.items():
         table.add_row(name, text)
     console.print(table)
@@ -164,10 +162,10 @@ def gpus(
             out.append(d)
         print_json({"schema_version": SCHEMA_VERSION, "gpus": out})
         return
-    table = Table(title="GPU catalog")
+    table = make_table("GPU catalog", (), left=())
     for col in ("GPU", "SMs", "MHz", "search MHz", "HBM GB/s", "TDP W", "bf16 TFLOP/s",
                 "AR busbw GB/s", "static W"):
-        table.add_column(col, justify="left" if col == "GPU" else "right")
+        table.add_column(col, justify="left" if col == "GPU" else "right", overflow="fold")
     for g in specs:
         table.add_row(g.name, str(g.sm_count), f"{g.min_freq_mhz}..{g.max_freq_mhz}",
                       f"{g.search_freqs_mhz[-1]}..{g.search_freqs_mhz[0]} "

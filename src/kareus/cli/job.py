@@ -12,8 +12,8 @@ from kareus.spec import JobSpec
 _PANEL = "Job"
 
 
-def _opt(*decls: str, help: str) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=_PANEL)
+def _opt(*decls: str, help: str, metavar: str | None = None) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=_PANEL, metavar=metavar)
 
 
 # (parameter name, annotation, JobSpec field or None when the option is not a field)
@@ -31,7 +31,7 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("dp", Annotated[Optional[int], _opt(
         "--dp", help="Data-parallel size (derived from the GPU count when omitted).")], "dp"),
     ("sp", Annotated[Optional[bool], _opt(
-        "--sp/--no-sp", help="Sequence parallelism.")], "sequence_parallel"),
+        "--sp/--no-sp", help="Sequence parallelism.", metavar="")], "sequence_parallel"),
     ("mbs", Annotated[Optional[int], _opt(
         "--mbs", help="Microbatch size (even: two nanobatches).")], "micro_batch_size"),
     ("seq", Annotated[Optional[int], _opt("--seq", help="Sequence length.")], "seq_length"),
@@ -40,7 +40,7 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("layers_per_stage", Annotated[Optional[str], _opt(
         "--layers-per-stage", help="Layers of each stage, e.g. 15,13.")], "layers_per_stage"),
     ("recompute", Annotated[Optional[bool], _opt(
-        "--recompute/--no-recompute", help="Full activation recompute.")], "recompute"),
+        "--recompute/--no-recompute", help="Full activation recompute.", metavar="")], "recompute"),
     ("gpu", Annotated[Optional[str], _opt("--gpu", help="GPU type (see `kareus gpus`).")],
      "gpu"),
     ("gpus_per_node", Annotated[Optional[int], _opt(

@@ -10,7 +10,7 @@ from kareus.backends.factory import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, pct, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
-from kareus.cli.search import progress_bars
+from kareus.cli.search import ProgressBars
 from kareus.compare import run_suite
 from kareus.executors import ExecutorSpec
 from kareus.methods import display_name
@@ -37,7 +37,7 @@ def optimize(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace the result of another job in --out (the journal keeps "
-                        "both jobs' measurements).")] = False,
+                        "both jobs' measurements).", metavar="")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Search every partition, compose the iteration frontiers of every method, write
@@ -47,10 +47,10 @@ def optimize(
     if json_out:
         print_json(run_optimize(job, out, config, backend, executor, force=force).to_dict())
         return
-    bar, update = progress_bars(PartitionSet.from_job(job).keys)
-    with bar:
-        result = run_optimize(job, out, config, backend, executor, progress=update,
-                              stage=lambda msg: bar.console.log(msg), force=force)
+    with ProgressBars(PartitionSet.from_job(job).keys) as bars:
+        result = run_optimize(job, out, config, backend, executor, progress=bars.update,
+                              stage=lambda msg: bars.bar.console.log(msg), force=force)
+        bars.finish(result.searches)
     _print_frontiers(job, result, out)
 
 

@@ -41,8 +41,8 @@ def injects(param: str, options: list[Option], build: Callable[[dict[str, Any]],
     return decorate
 
 
-def _opt(*decls: str, help: str, panel: str) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=panel)
+def _opt(*decls: str, help: str, panel: str, metavar: str | None = None) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=panel, metavar=metavar)
 
 
 def with_backend(default: str = "emulator") -> Callable[[F], F]:
@@ -61,7 +61,7 @@ def with_backend(default: str = "emulator") -> Callable[[F], F]:
             "--calibration", panel=p, help="JSON file of fitted emulator parameters.")], None),
         ("allow_clock_changes", Annotated[bool, _opt(
             "--allow-clock-changes", panel=p, help="Real GPUs: let Kareus lock SM clocks "
-            "(always reset on exit). Without it no clock is touched.")], False),
+            "(always reset on exit). Without it no clock is touched.", metavar="")], False),
         ("gpu_index", Annotated[int, _opt("--gpu-index", panel=p, help="Real GPUs: which "
                                                                       "GPU.")], 0),
         ("replay_journal", Annotated[Optional[str], _opt(

@@ -25,8 +25,10 @@ def plan(
     ctx: typer.Context,
     result: Annotated[Optional[str], typer.Option(
         "--result", help="Directory of `kareus optimize`.")] = None,
-    max_throughput: Annotated[bool, typer.Option("--max-throughput")] = False,
-    min_energy: Annotated[bool, typer.Option("--min-energy")] = False,
+    max_throughput: Annotated[bool, typer.Option(
+        "--max-throughput", help="The fastest plan.", metavar="")] = False,
+    min_energy: Annotated[bool, typer.Option(
+        "--min-energy", help="The plan with the least energy.", metavar="")] = False,
     deadline: Annotated[Optional[float], typer.Option(
         "--deadline", help="Iteration time limit in seconds.")] = None,
     energy_budget: Annotated[Optional[float], typer.Option(
@@ -67,7 +69,7 @@ def plan_export(
         "--format", help="zeus (frequency schedule for Zeus's server) or json.")] = "json",
     force: Annotated[bool, typer.Option(
         "--force", help="Overwrite --out if it exists (never a result directory's own "
-                        "files).")] = False,
+                        "files).", metavar="")] = False,
 ) -> None:
     """Write a plan as Kareus JSON or as a Zeus pipeline frequency schedule."""
     rd = ResultDir(result)

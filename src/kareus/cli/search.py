@@ -15,7 +15,7 @@ from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.core import MeasurementProtocol
 from kareus.errors import KareusError
-from kareus.executors import ExecutorSpec, SearchTask, TaskProgress, make_task, run_tasks
+from kareus.executors import ExecutorSpec, SearchTask, make_task, run_tasks
 from kareus.partition import PartitionSet
 from kareus.profile import profile as run_profile
 from kareus.search.loop import SearchConfig, SearchResult
@@ -23,25 +23,41 @@ from kareus.spec import JobSpec
 from kareus.store import Journal
 
 
-def progress_bars(keys: list[str]) -> tuple[Progress, TaskProgress]:
-    """Progress bars, one per partition, on stderr; and the callback that moves them."""
-    bar = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-                   console=stderr_console(), transient=False)
-    ids = {k: bar.add_task(k, total=None) for k in keys}
+class ProgressBars:
+    """One bar per partition on stderr. A bar ends full when its search ends, early or
+    not, and says how many settings came from the journal."""
 
-    def update(key: str, done: int, total: int) -> None:
-        bar.update(ids[key], completed=done, total=total)
+    def __init__(self, keys: list[str]) -> None:
+        self.bar = Progress(TextColumn("{task.description:<24}"), BarColumn(),
+                            MofNCompleteColumn(), console=stderr_console(), transient=False)
+        self.ids = {k: self.bar.add_task(k, total=None) for k in keys}
 
-    return bar, update
+    def update(self, key: str, done: int, total: int) -> None:
+        self.bar.update(self.ids[key], completed=done, total=total)
+
+    def finish(self, results: list[SearchResult]) -> None:
+        for r in results:
+            n = len(r.samples)
+            reused = f" (reused {r.reused_from_journal})" if r.reused_from_journal else ""
+            self.bar.update(self.ids[r.partition], completed=n, total=n,
+                            description=f"{r.partition}{reused}")
+
+    def __enter__(self) -> "ProgressBars":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
 
 
 def run_with_progress(tasks: list[SearchTask], executor: ExecutorSpec, quiet: bool
                       ) -> list[SearchResult]:
     if quiet:
         return run_tasks(tasks, executor)
-    bar, update = progress_bars([t.partition for t in tasks])
-    with bar:
-        return run_tasks(tasks, executor, update)
+    with ProgressBars([t.partition for t in tasks]) as bars:
+        results = run_tasks(tasks, executor, bars.update)
+        bars.finish(results)
+    return results
 
 
 def check_journal(path: Optional[str]) -> None:
@@ -166,9 +182,9 @@ def profile(
     """
     spec = replace(backend, protocol=MeasurementProtocol(window, cooldown, settle))
     check_journal(journal)
-    bar, update = progress_bars(list(partition))
-    with bar:
-        results = run_profile(job, partition, journal, spec, progress=update)
+    with ProgressBars(list(partition)) as bars:
+        results = run_profile(job, partition, journal, spec, progress=bars.update)
+        bars.finish(results)
     measured = sum(r.measured_this_run for r in results)
     reused = sum(r.reused_from_journal for r in results)
     console.print(f"profiled {len(results)} partitions: {measured} settings measured, "
