@@ -18,11 +18,17 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import tempfile
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+except ImportError:
+    sys.stderr.write("train_tiny: this example needs PyTorch: pip install torch==2.13.0 "
+                     "(CPU) or pip install -e '.[gpu]'\n")
+    sys.exit(2)
 
 from kareus.core import PartitionSetting
 from kareus.execution import ExecutionPlan
@@ -126,6 +132,16 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--plan", help="a Kareus plan file: use its partition settings")
     args = ap.parse_args()
+    if args.plan:  # a bad plan file is one line here, not a traceback in every worker
+        from kareus.errors import KareusError
+        from kareus.jsonfile import read_json_object
+        from kareus.plan import Plan
+
+        try:
+            Plan.from_dict(read_json_object(args.plan, "plan"))
+        except KareusError as exc:
+            sys.stderr.write(f"train_tiny: error: {exc}\n")
+            sys.exit(2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -38,6 +38,8 @@ class GPUSpec:
     static_power_w: float
     """Power of a GPU blocked in communication (what Kareus/Perseus subtract)."""
     idle_power_w: float
+    memory_bytes: float = 80 * 2**30
+    """Device memory (datasheet)."""
     nccl_channels: int = 32
     """Channels (one CTA each) NCCL gives a collective inside one node when nothing sets
     NCCL_MIN_CTAS / NCCL_MAX_CTAS: what Megatron-LM's collectives run with (anchors §3)."""
@@ -116,6 +118,7 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=85.0,
         nccl_channels=24,
         idle_power_w=60.0,
+        memory_bytes=40 * 2**30,
         notes=_A100_NOTES,
     ),
     "A100-80GB": GPUSpec(
@@ -134,6 +137,7 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=85.0,
         nccl_channels=24,
         idle_power_w=60.0,
+        memory_bytes=80 * 2**30,
         notes={**_A100_NOTES, "hbm": "A100 SXM4 80GB datasheet: 2039 GB/s (anchors §1)"},
     ),
     "H100-SXM": GPUSpec(
@@ -152,6 +156,7 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=115.0,
         nccl_channels=32,
         idle_power_w=140.0,
+        memory_bytes=80 * 2**30,
         search_min_freq_mhz=1260,
         notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (anchors §1)"},
     ),
@@ -171,6 +176,7 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=115.0,
         nccl_channels=32,
         idle_power_w=140.0,
+        memory_bytes=141e9,
         search_min_freq_mhz=1260,
         notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (anchors §1)"},
     ),
@@ -189,6 +195,7 @@ _CATALOG: dict[str, GPUSpec] = {
         internode_bytes_s=12.5 * _GB,
         static_power_w=70.0,
         idle_power_w=30.0,
+        memory_bytes=48 * 2**30,
         notes={
             "sm_count": "NVIDIA A40 datasheet (anchors §1)",
             "search freqs": "Kareus artifact: 1740..900 MHz in 30 MHz steps (anchors §4)",

@@ -35,6 +35,7 @@ from typing import Literal
 from kareus import SCHEMA_VERSION
 from kareus.core import DIRECTIONS, LAUNCH_FIRST
 from kareus.errors import SpecError
+from kareus.memory import check_fits
 from kareus.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
 from kareus.workload.layer import backward_ops, forward_ops
@@ -233,7 +234,10 @@ class PartitionSet:
 
     @classmethod
     def from_job(cls, job: JobSpec) -> PartitionSet:
-        return build_partitions(ExecutionGraph.from_job(job))
+        """The job's partitions; a job that does not fit its GPUs' memory is refused."""
+        graph = ExecutionGraph.from_job(job)
+        check_fits(graph)
+        return build_partitions(graph)
 
     def __getitem__(self, key: str) -> Partition:
         try:

@@ -41,3 +41,11 @@ def test_tiny_training_with_a_plan_file(tmp_path):
     path.write_text(json.dumps(Plan("kareus-001", "kareus", 1.0, 1.0, ex).to_dict()))
     losses = _losses("--plan", str(path))
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_a_missing_plan_file_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(EXAMPLE), "--plan", str(tmp_path / "none.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"train_tiny: error: plan not found: {tmp_path / 'none.json'}"]

@@ -11,6 +11,7 @@ from kareus.cli.app import JsonFlag, app, console, print_json
 from kareus.cli.app import table as make_table
 from kareus.cli.job import with_job
 from kareus.hardware import get_gpu, gpu_names
+from kareus.memory import check_fits
 from kareus.partition import PartitionSet
 from kareus.presets import JOB_PRESETS, MODEL_PRESETS
 from kareus.sources import build_job
@@ -100,6 +101,7 @@ def graph_dict(g: ExecutionGraph) -> dict[str, Any]:
 def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
     """Print the execution graph: per-layer ops with FLOPs and bytes, totals per stage."""
     g = ExecutionGraph.from_job(job)
+    check_fits(g)
     if json_out:
         print_json(graph_dict(g))
         return
