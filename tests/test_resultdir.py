@@ -130,3 +130,33 @@ def test_plan_export_never_overwrites_without_force(first, tmp_path):
         r = run_cli(*args, "--out", str(own), "--force")
         assert r.code == 2 and "result directory" in r.err
         assert own.read_bytes() == before
+
+
+def test_plan_timelines_pictures_and_headline(first, tmp_path):
+    rd, result = first
+    for which in ("max-throughput", "min-energy"):
+        assert rd.timeline(which).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = rd.report.read_text().splitlines()
+    assert report[2].startswith("Against Perseus, Kareus uses ")
+    assert "Iso-time energy" in rd.report.read_text()
+    plan = result.plans["kareus"][0]
+    instr = [e for e in plan.timeline if e.kind != "send"]
+    assert len(instr) == 2 * JOB.pp * JOB.num_microbatches
+    assert max(e.start_s + e.time_s for e in plan.timeline) == pytest.approx(plan.time_s)
+    last = max(instr, key=lambda e: e.start_s + e.time_s)
+    assert last.critical  # what ends the iteration is on the critical path
+    sends = [e for e in plan.timeline if e.kind == "send"]
+    assert len(sends) == 2 * (JOB.pp - 1) * JOB.num_microbatches
+    # the plan file keeps it, and `plan show` draws it
+    again, _job = rd.read_plan(plan.id)
+    assert again.timeline == plan.timeline
+    png = tmp_path / "t.png"
+    r = run_cli("plan", "show", "--result", str(rd.path), "--plan", plan.id, "--png",
+                str(png), "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    knobbed = sum(len(v) for v in plan.execution.instruction_knobs.values())
+    assert sum(row["instructions"] for row in doc["settings"]) == knobbed
+    table = run_cli("plan", "show", "--result", str(rd.path), "--plan", plan.id)
+    assert table.code == 0 and "Partition settings per clock" in table.out

@@ -11,8 +11,8 @@ from kareus.backends.factory import BackendSpec, open_backend, plan_simulator
 from kareus.backends.journaled import JournaledBackend
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
-from kareus.compose.pipeline import PipelinePoint
-from kareus.compose.plans import to_execution_plan
+from kareus.compose.pipeline import PipelineCosts, PipelinePoint
+from kareus.compose.plans import timeline, to_execution_plan
 from kareus.executors import ExecutorSpec, TaskProgress, make_task, run_tasks
 from kareus.methods import Method, all_methods, get_method
 from kareus.metrics import method_metrics
@@ -66,11 +66,13 @@ def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
                             for r in searches})
     with open_backend(job, spec) as measuring, Journal(rd.journal) as journal:
         b = JournaledBackend(measuring, journal, journal.register_job(job))
-        solved = method_frontiers(Composer(ps, b, job.freqs_mhz), chosen, fronts, say)
+        composer = Composer(ps, b, job.freqs_mhz)
+        solved = method_frontiers(composer, chosen, fronts, say)
+        costs = composer.pipeline_costs()  # measured already: from the journal
         f_max = b.gpu.max_freq_mhz
     # the emulator is the ground truth of validation where it describes the backend
     simulator = plan_simulator(job, spec.calibration) if spec.name == "emulator" else None
-    plans, worst = _plans(chosen, solved, f_max, simulator)
+    plans, worst = _plans(chosen, solved, f_max, simulator, costs)
     timings["compose"] = time.perf_counter() - t0
     metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v] for m, v in plans.items()})
     result = OptimizeResult(job, plans, searches, metrics, worst, timings)
@@ -80,7 +82,8 @@ def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
 
 
 def _plans(methods: Sequence[Method], solved: dict[str, list[PipelinePoint]], f_max: int,
-           simulator: PlanSimulator | None) -> tuple[dict[str, list[Plan]], float | None]:
+           simulator: PlanSimulator | None, costs: PipelineCosts
+           ) -> tuple[dict[str, list[Plan]], float | None]:
     """Each frontier point as a Plan, simulated as one whole iteration where a simulator is
     given; the largest relative error between composed and simulated time or energy."""
     plans: dict[str, list[Plan]] = {}
@@ -96,5 +99,6 @@ def _plans(methods: Sequence[Method], solved: dict[str, list[PipelinePoint]], f_
                 sim_t, sim_e = r.time_s, r.energy_j
                 worst = max(worst, abs(sim_t / pt.time_s - 1), abs(sim_e / pt.energy_j - 1))
             plans[method.name].append(Plan(execution.name, method.name, pt.time_s,
-                                           pt.energy_j, execution, sim_t, sim_e))
+                                           pt.energy_j, execution, sim_t, sim_e,
+                                           timeline(pt, costs)))
     return plans, worst

@@ -7,7 +7,8 @@ the emulator's whole-iteration simulation of it (validation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kareus import SCHEMA_VERSION
 from kareus.errors import KareusError, SpecError
@@ -22,6 +23,30 @@ ENERGY_TOLERANCE_J = 5.0
 """Tables print energies in kJ with 2 decimals (half a step: 5 J)."""
 
 
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One bar of a plan's pipeline timeline: an instruction (``kind`` "forward" or
+    "backward") or the transfer after it ("send"), on one stage."""
+
+    stage: int
+    microbatch: int
+    kind: str
+    start_s: float
+    time_s: float
+    freq_mhz: int
+    critical: bool
+    """On the critical path: any delay lengthens the iteration."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> TimelineEntry:
+        return cls(int(doc["stage"]), int(doc["microbatch"]), str(doc["kind"]),
+                   float(doc["start_s"]), float(doc["time_s"]), int(doc["freq_mhz"]),
+                   bool(doc["critical"]))
+
+
 @dataclass
 class Plan:
     id: str
@@ -31,6 +56,8 @@ class Plan:
     execution: ExecutionPlan
     simulated_time_s: float | None = None
     simulated_energy_j: float | None = None
+    timeline: list[TimelineEntry] = field(default_factory=list)
+    """The plan's 1F1B schedule as composed: every instruction and transfer."""
 
     def summary(self) -> dict:
         return {"id": self.id, "method": self.method, "time_s": self.time_s,
@@ -40,7 +67,8 @@ class Plan:
 
     def to_dict(self, job: dict | None = None) -> dict:
         d = {"schema_version": SCHEMA_VERSION, **self.summary(),
-             "execution": self.execution.to_dict()}
+             "execution": self.execution.to_dict(),
+             "timeline": [e.to_dict() for e in self.timeline]}
         if job is not None:
             d["job"] = job
         return d
@@ -52,7 +80,8 @@ class Plan:
                 raise SpecError(f"unsupported plan schema_version {doc.get('schema_version')!r}")
             return cls(str(doc["id"]), str(doc["method"]), float(doc["time_s"]),
                        float(doc["energy_j"]), ExecutionPlan.from_dict(doc["execution"]),
-                       doc.get("simulated_time_s"), doc.get("simulated_energy_j"))
+                       doc.get("simulated_time_s"), doc.get("simulated_energy_j"),
+                       [TimelineEntry.from_dict(e) for e in doc.get("timeline", [])])
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, SpecError):
                 raise

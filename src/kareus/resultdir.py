@@ -5,6 +5,8 @@
                          the validation of every plan, the searches
     DIR/plans/<id>.json  every plan on every frontier
     DIR/frontier.png     all methods' frontiers on one plot
+    DIR/timeline-max-throughput.png, DIR/timeline-min-energy.png
+                         the 1F1B timelines of Kareus's fastest and least-energy plans
     DIR/report.md        what was searched, the frontiers, the metrics, how to apply a plan
 
 A run builds its result in a temporary directory beside DIR and swaps it in at the end;
@@ -26,6 +28,18 @@ from kareus.jsonfile import read_json_object
 from kareus.plan import Plan
 from kareus.result import OptimizeResult
 
+_HIGHLIGHTS = ("max-throughput", "min-energy")
+
+
+def highlighted_plans(result: OptimizeResult) -> dict[str, Plan]:
+    """Kareus's fastest and least-energy plans (the first method's where Kareus did not
+    run): what report.md and the timeline pictures show first."""
+    plans = result.plans.get("kareus") or next(iter(result.plans.values()), [])
+    if not plans:
+        return {}
+    return {"max-throughput": min(plans, key=lambda p: (p.time_s, p.energy_j)),
+            "min-energy": min(plans, key=lambda p: (p.energy_j, p.time_s))}
+
 
 class ResultDir:
     def __init__(self, path: str | Path) -> None:
@@ -46,6 +60,10 @@ class ResultDir:
     @property
     def report(self) -> Path:
         return self.path / "report.md"
+
+    def timeline(self, which: str) -> Path:
+        """The timeline picture of the max-throughput or min-energy Kareus plan."""
+        return self.path / f"timeline-{which}.png"
 
     @property
     def plans_dir(self) -> Path:
@@ -87,7 +105,7 @@ class ResultDir:
         """Build the new result beside the directory, then swap it in: a reader sees the
         old result or the new one, never a mix. The journal and any other file of the
         directory are carried over (hard links: the journal is never absent or copied)."""
-        from kareus.report import frontier_figure, markdown_report
+        from kareus.report import frontier_figure, markdown_report, timeline_figure
 
         tmp = self.path.parent / f".{self.path.name}.tmp-{result.run_id or 'run'}"
         new = ResultDir(tmp)
@@ -100,6 +118,8 @@ class ResultDir:
                 for p in plans:
                     new.plan_file(p.id).write_text(json.dumps({**p.to_dict(job_doc), **stamp}))
             frontier_figure(result.frontier_points(), new.figure, result.job.describe())
+            for which, plan in highlighted_plans(result).items():
+                timeline_figure(plan, new.timeline(which), result.job.describe())
             new.report.write_text(markdown_report(result, self.path))
             new.result_file.write_text(json.dumps(result.to_dict(), indent=1))
             self._carry_over(tmp)
@@ -111,7 +131,7 @@ class ResultDir:
     def _carry_over(self, tmp: Path) -> None:
         """Everything in the directory that is not a result file goes into the new one."""
         ours = {self.result_file.name, self.plans_dir.name, self.figure.name,
-                self.report.name}
+                self.report.name, *(self.timeline(w).name for w in _HIGHLIGHTS)}
         for entry in self.path.iterdir():
             if entry.name in ours:
                 continue

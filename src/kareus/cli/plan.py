@@ -2,16 +2,18 @@
 
 
 import contextlib
+from collections import Counter
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from kareus.cli.app import JsonFlag, app, console, print_json
+from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.errors import KareusError
 from kareus.export import export_plan
 from kareus.methods import get_method
-from kareus.plan import objective_of, select
+from kareus.plan import Plan, objective_of, select
+from kareus.report import timeline_figure
 from kareus.resultdir import ResultDir
 
 plan_app = typer.Typer(help="Choose a plan from a result, or export one.")
@@ -81,3 +83,52 @@ def plan_export(
     p, job = rd.read_plan(plan_id)
     export_plan(p, job, fmt, out)
     console.print(f"{p.id} written to {out} ({fmt})")
+
+
+@plan_app.command("show")
+def plan_show(
+    result: ResultOpt,
+    plan_id: Annotated[str, typer.Option("--plan", help="Plan id, e.g. kareus-012.")],
+    png: Annotated[Optional[str], typer.Option(
+        "--png", help="Also draw the plan's 1F1B timeline into this PNG file.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """A plan's clocks per instruction and its partition settings per clock; --png draws
+    its pipeline timeline (instructions coloured by clock, critical path outlined)."""
+    rd = ResultDir(result)
+    p, job = rd.read_plan(plan_id)
+    rows = settings_by_clock(p)
+    if png is not None:
+        if rd.owns(png):
+            raise KareusError(f"{png} is a file of the result directory {result}")
+        timeline_figure(p, Path(png), str(job.get("model", {}).get("name", "")))
+    if json_out:
+        print_json({**p.summary(), "settings": rows, "png": png})
+        return
+    ex = p.execution
+    freqs = sorted(set(ex.instruction_freqs.values())) or [ex.default_freq_mhz]
+    console.print(f"[bold]{p.id}[/bold] ({p.method}): iteration {p.time_s:.4f} s, "
+                  f"{p.energy_j / 1e3:.3f} kJ; clocks {freqs[0]}..{freqs[-1]} MHz; "
+                  f"{len(ex.sequential)} instructions without overlap")
+    t = table("Partition settings per clock", ("partition", "MHz", "SMs", "slot",
+                                                "instructions"), left=("partition", "slot"))
+    for r in rows:
+        t.add_row(r["partition"], str(r["freq_mhz"]), str(r["sms"]), r["slot"] or "none",
+                  str(r["instructions"]))
+    console.print(t)
+    if png is not None:
+        console.print(f"timeline written to {png}")
+
+
+def settings_by_clock(plan: Plan) -> list[dict[str, Any]]:
+    """Per partition key and clock, each setting the plan uses and in how many
+    instructions."""
+    ex = plan.execution
+    count: Counter[tuple[str, int, int, str | None]] = Counter()
+    for iid, settings in ex.instruction_knobs.items():
+        f = ex.freq(*iid)
+        for key, s in settings.items():
+            count[(key, f, s.sms, s.slot)] += 1
+    return [{"partition": k, "freq_mhz": f, "sms": n, "slot": slot, "instructions": c}
+            for (k, f, n, slot), c in sorted(count.items(),
+                                             key=lambda x: (x[0][0], -x[0][1], x[0][2]))]

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kareus.compose.instruction import InstructionOption
+from kareus.compose.pipeline import PipelineCosts, PipelinePoint
 from kareus.core import LAUNCH_FIRST, InstructionId, PartitionSetting
 from kareus.execution import ExecutionPlan
+from kareus.plan import TimelineEntry
+from kareus.schedule import latest_finish, schedule, sends_after
 
 
 def to_execution_plan(name: str, picks: Mapping[InstructionId, InstructionOption],
@@ -25,3 +28,25 @@ def to_execution_plan(name: str, picks: Mapping[InstructionId, InstructionOption
                          instruction_freqs=freqs, instruction_knobs=settings,
                          default_slot=LAUNCH_FIRST if overlap else None,
                          sequential=frozenset(sequential) if overlap else frozenset())
+
+
+def timeline(point: PipelinePoint, costs: PipelineCosts) -> list[TimelineEntry]:
+    """The point's 1F1B schedule as bars: every instruction with its clock and whether it
+    is critical (no float), and every transfer after the instruction that sends it."""
+
+    def duration(iid: InstructionId) -> float:
+        return point.picks[iid].time_s
+
+    acts, grads = list(costs.send_activation_s), list(costs.send_grad_s)
+    t = schedule(costs.pp, costs.microbatches, duration, acts, grads, list(costs.end_s))
+    late = latest_finish(costs.pp, costs.microbatches, t, duration, acts, grads, costs.end_s)
+    tol = 1e-9 * t.iteration_s
+    out = []
+    for (s, m, d), start in sorted(t.start.items(), key=lambda x: (x[0][0], x[1])):
+        crit = late[(s, m, d)] - t.finish[(s, m, d)] <= tol
+        f = point.picks[(s, m, d)].freq_mhz
+        out.append(TimelineEntry(s, m, d, start, duration((s, m, d)), f, crit))
+        send = sends_after(s, d, costs.pp, acts, grads)
+        if send > 0:
+            out.append(TimelineEntry(s, m, "send", t.finish[(s, m, d)], send, f, crit))
+    return out
