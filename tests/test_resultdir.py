@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -47,7 +48,9 @@ def test_result_and_plans_carry_the_run_and_the_job(first):
     assert _consistent(rd) == result.run_id
 
 
-@pytest.mark.parametrize("failing", ["kareus.report.markdown_report",
+@pytest.mark.parametrize("failing", ["kareus.report.frontier_figure",
+                                     "kareus.report.timeline_figure",
+                                     "kareus.report.markdown_report",
                                      "kareus.resultdir.exchange_dirs"])
 def test_a_crash_while_writing_leaves_the_old_result(first, monkeypatch, failing):
     rd, result = first
@@ -160,3 +163,28 @@ def test_plan_timelines_pictures_and_headline(first, tmp_path):
     assert sum(row["instructions"] for row in doc["settings"]) == knobbed
     table = run_cli("plan", "show", "--result", str(rd.path), "--plan", plan.id)
     assert table.code == 0 and "Partition settings per clock" in table.out
+
+
+def test_progress_output_a_person_reads(first):
+    rd, _result = first
+    r = run_cli("optimize", "-p", "kareus-1", "--microbatches", "4", "--freqs", "1410,1200",
+                "--budget", "20", "--seed", "1", "--workers", "1", "--out", str(rd.path))
+    assert r.code == 0, r.err
+    assert ".py:" not in r.err  # log lines carry no source locations
+    for key in ("fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn"):  # bars end full, say so
+        assert re.search(rf"{key} \(reused 20\).*20/20", r.err), r.err
+    listed = run_cli("journal", "--journal", str(rd.journal))
+    ident = Journal(rd.journal).identities(job_id(JOB))[0]
+    assert ident in listed.out  # never cut, piped or not
+
+
+def test_an_error_after_progress_output_is_one_line(first, tmp_path):
+    rd, _result = first
+    r = run_cli("optimize", "-p", "kareus-1", "--microbatches", "4", "--freqs", "1410,1200",
+                "--budget", "40", "--seed", "1", "--workers", "1", "--out",
+                str(tmp_path / "more"), "--backend", "replay", "--replay-journal",
+                str(rd.journal))
+    assert r.code == 2
+    errors = [line for line in r.err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("kareus: error: journal ")
+    assert "Traceback" not in r.err
