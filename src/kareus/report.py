@@ -159,6 +159,7 @@ _METRICS_IN_WORDS = [
     "- *Max-throughput time and energy*: this method's fastest plan against Megatron-LM's "
     "one plan (every instruction at max clock): how much shorter, and how much less "
     "energy.",
+    "",
     "Every frontier point is the least-energy plan found for its iteration time (slack "
     "filled), so no saving comes from a baseline wasting energy off its critical path.",
 ]
