@@ -5,7 +5,6 @@ kareus.cli.options); every check lives in the library, which raises KareusError,
 `main` turns it into one line on stderr and exit status 2.
 """
 
-
 import signal
 import sys
 from typing import Annotated, Any, NoReturn, Optional

@@ -1,6 +1,5 @@
 """The `kareus` Typer application and what every command module shares."""
 
-
 import json
 import sys
 from typing import Annotated, Any

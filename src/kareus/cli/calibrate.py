@@ -1,6 +1,5 @@
 """`kareus calibrate`: the emulator against public measurements, or against this GPU."""
 
-
 from typing import Annotated, Optional
 
 import typer

@@ -1,6 +1,5 @@
 """Real GPUs: `kareus gpu reset-clocks`."""
 
-
 from typing import Annotated
 
 import typer

@@ -1,7 +1,6 @@
 """Commands that describe a job, its partitions and the catalogs: partitions, graph,
 presets, gpus."""
 
-
 from typing import Annotated, Any, Optional
 
 import typer

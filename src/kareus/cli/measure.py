@@ -1,6 +1,5 @@
 """Commands that measure or simulate on one backend: measure, sweep, simulate, calibrate."""
 
-
 from typing import Annotated, Optional, TypedDict
 
 import typer

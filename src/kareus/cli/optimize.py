@@ -1,6 +1,5 @@
 """The main job and the suite comparison: optimize, compare."""
 
-
 from pathlib import Path
 from typing import Annotated, Optional
 

@@ -2,7 +2,6 @@
 receives one validated object (a JobSpec, a BackendSpec, an ExecutorSpec) instead of a
 dozen parameters."""
 
-
 import functools
 import inspect
 from collections.abc import Callable

@@ -1,6 +1,5 @@
 """Choosing and exporting plans from a result directory: plan, plan export."""
 
-
 import contextlib
 from collections import Counter
 from pathlib import Path

@@ -1,6 +1,5 @@
 """Commands that search or profile partitions and read journals: search, profile, journal."""
 
-
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
