@@ -20,8 +20,6 @@ kareus.schedule.free_float), which is safe in bulk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kareus.compose.instruction import InstructionOption
 from kareus.core import InstructionId
 from kareus.schedule import free_float, latest_finish, schedule
@@ -39,6 +37,12 @@ def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
 
     def duration(iid: InstructionId) -> float:
         return options[(iid[0], iid[2])][choice[iid]].time_s
+
+    def iteration_with(moves: list[tuple[InstructionId, int]]) -> float:
+        trial = {**choice, **dict(moves)}
+        return schedule(pp, microbatches,
+                        lambda iid: options[(iid[0], iid[2])][trial[iid]].time_s,
+                        list(send_activation_s), list(send_grad_s), list(end_s)).iteration_s
 
     def slowest_within(iid: InstructionId, spare: float, tol: float) -> int:
         opts = options[(iid[0], iid[2])]
@@ -79,34 +83,14 @@ def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
         # does not (the first move always fits).
         limit = timing.iteration_s + tol
         ok, bad = 1, len(queue) + 1
-        if _iteration_with(queue, choice, duration_fn(options), pp, microbatches,
-                           send_activation_s, send_grad_s, end_s) <= limit:
+        if iteration_with(queue) <= limit:
             ok = len(queue)
         else:
             bad = len(queue)
             while bad - ok > 1:
                 mid = (ok + bad) // 2
-                if _iteration_with(queue[:mid], choice, duration_fn(options), pp,
-                                   microbatches, send_activation_s, send_grad_s,
-                                   end_s) <= limit:
+                if iteration_with(queue[:mid]) <= limit:
                     ok = mid
                 else:
                     bad = mid
         choice.update(queue[:ok])
-
-
-def duration_fn(options: dict[tuple[int, str], list[InstructionOption]]
-                ) -> Callable[[dict[InstructionId, int], InstructionId], float]:
-    def duration(choice: dict[InstructionId, int], iid: InstructionId) -> float:
-        return options[(iid[0], iid[2])][choice[iid]].time_s
-
-    return duration
-
-
-def _iteration_with(moves: list[tuple[InstructionId, int]], choice: dict[InstructionId, int],
-                    duration: Callable[[dict[InstructionId, int], InstructionId], float],
-                    pp: int, microbatches: int, send_activation_s: tuple[float, ...],
-                    send_grad_s: tuple[float, ...], end_s: tuple[float, ...]) -> float:
-    trial = {**choice, **dict(moves)}
-    return schedule(pp, microbatches, lambda iid: duration(trial, iid),
-                    list(send_activation_s), list(send_grad_s), list(end_s)).iteration_s
