@@ -175,6 +175,11 @@ class InstructionLayout:
     stage: int
     direction: str
     steps: tuple[Step, ...]
+    before: tuple[Step, ...] = ()
+    """The steps outside the layers that open ``steps`` (embedding, received inputs)..."""
+    after: tuple[Step, ...] = ()
+    """... and those that close it (LM head and loss, their backward): shared with
+    Megatron-LM's execution of the same instruction."""
 
     def partition_counts(self) -> Counter:
         return Counter(s.key for s in self.steps if s.kind == "partition")
@@ -226,11 +231,8 @@ class PartitionSet:
                                                                     tuple[Step, ...]]:
         """Megatron-LM's instruction: (steps before the layers, number of layers, steps
         after them)."""
-        g = self.graph.stages[stage]
-        pre = g.forward_pre if direction == "forward" else g.backward_pre
-        post = g.forward_post if direction == "forward" else g.backward_post
-        return (tuple(blocking_steps(pre, direction, one_step_per_op=True)), g.num_layers,
-                tuple(blocking_steps(post, direction, one_step_per_op=True)))
+        layout = self.layouts[(stage, direction)]
+        return layout.before, self.graph.stages[stage].num_layers, layout.after
 
     @classmethod
     def from_job(cls, job: JobSpec) -> PartitionSet:
@@ -304,7 +306,9 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
         for direction in DIRECTIONS:
             pre = stage.forward_pre if direction == "forward" else stage.backward_pre
             post = stage.forward_post if direction == "forward" else stage.backward_post
-            steps = blocking_steps(pre, direction, one_step_per_op=True)
+            before = tuple(blocking_steps(pre, direction, one_step_per_op=True))
+            after = tuple(blocking_steps(post, direction, one_step_per_op=True))
+            steps = list(before)
             pairs, last = interleave(graph.pass_segments(direction, stage.num_layers))
             for seg, coll in pairs:
                 if coll is None:
@@ -318,9 +322,9 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
                 c[direction][stage.index] += 1
             if last is not None:
                 steps.append(Step("exposed", (last,)))
-            steps += blocking_steps(post, direction, one_step_per_op=True)
+            steps += after
             layouts[(stage.index, direction)] = InstructionLayout(
-                stage.index, direction, tuple(steps)
+                stage.index, direction, tuple(steps), before, after
             )
 
     order = {s.base_key: i for i, s in enumerate((*graph.forward_segments,
