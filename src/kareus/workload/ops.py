@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -98,7 +99,13 @@ Op = ComputeOp | Collective
 def ops_signature(ops: Sequence[Op]) -> str:
     """A stable name for a run of ops: their names and a digest of everything that makes
     them cost what they cost (kinds, FLOPs, bytes, shapes, groups). Journal key of
-    measurements outside partitions."""
+    measurements outside partitions. Cached: composition asks for the same runs of ops for
+    every method and clock."""
+    return _signature(tuple(ops))
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(ops: tuple[Op, ...]) -> str:
     names = "+".join(op.name for op in ops)
     text = json.dumps([op.to_dict() for op in ops], sort_keys=True)
     return f"{names}#{hashlib.sha256(text.encode()).hexdigest()[:12]}"

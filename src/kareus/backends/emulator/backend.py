@@ -92,6 +92,8 @@ class EmulatorBackend:
     def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
                     ) -> Measurement:
         exact = self.predict_ops(ops, freq_mhz, sms)
+        if self.noise == 0:
+            return exact  # no noise label to build
         return self._noisy(exact, f"{ops_signature(ops)}|{freq_mhz}|{sms or self.default_sms}")
 
     # CostModel protocol: exact (noise-free) predictions, cached ------------------------------
