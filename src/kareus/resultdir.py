@@ -165,8 +165,9 @@ class ResultDir:
         except (KeyError, TypeError, ValueError):
             raise KareusError(f"{path}: corrupt frontier of {method}") from None
 
-    def plan_ids(self) -> set[str]:
-        methods = self.read_result().get("methods")
+    def plan_ids(self, result: dict[str, Any] | None = None) -> set[str]:
+        """The plans result.json lists (``result``: its content, when already read)."""
+        methods = (result if result is not None else self.read_result()).get("methods")
         if not isinstance(methods, dict):
             return set()
         return {str(p.get("plan")) for m in methods.values() if isinstance(m, dict)
@@ -176,7 +177,7 @@ class ResultDir:
         """A plan of this result and the job it is for. A plan file that result.json does
         not list, or that another run wrote, is refused."""
         result = self.read_result()
-        if plan_id not in self.plan_ids():
+        if plan_id not in self.plan_ids(result):
             raise KareusError(f"{self.result_file} lists no plan {plan_id!r}; `kareus plan "
                               f"--result {self.path} --json` shows its plans")
         doc = read_json_object(self.plan_file(plan_id), "plan")
