@@ -8,6 +8,7 @@ backward. Loss per step is printed by rank 0.
     python examples/train_tiny.py                       # CPU, gloo, 2 processes, TP=2
     python examples/train_tiny.py --backend nccl        # GPUs, NCCL
     python examples/train_tiny.py --plan runs/kareus-1/plans/kareus-010.json  # its knobs
+    python examples/train_tiny.py --plan P.json --clock-log DIR   # where clocks are logged
 
 The model is tiny (2 layers, hidden 64) and learns a fixed random batch, so the loss falls
 within a few steps.
@@ -104,7 +105,8 @@ def worker(rank, world, port, args):
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         g = torch.Generator().manual_seed(123)
         data = torch.randint(0, VOCAB, (MICROBATCHES, MBS, SEQ + 1), generator=g).to(device)
-        log = os.path.join(tempfile.gettempdir(), f"kareus-example-clocks-rank{rank}.log")
+        log = os.path.join(args.clock_log or tempfile.gettempdir(),
+                           f"kareus-example-clocks-rank{rank}.log")
         with FrequencyController(eplan, stage=0, dry_run=True, log_path=log) as clocks:
             for step in range(args.steps):
                 opt.zero_grad()
@@ -131,6 +133,10 @@ def main() -> None:
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--plan", help="a Kareus plan file: use its partition settings")
+    ap.add_argument("--clock-log", metavar="DIR",
+                    help="directory of the dry-run frequency controller's logs (one per "
+                         "rank: direction, microbatch, MHz per instruction; default: the "
+                         "temporary directory)")
     args = ap.parse_args()
     if args.plan:  # a bad plan file is one line here, not a traceback in every worker
         from kareus.errors import KareusError

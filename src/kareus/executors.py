@@ -23,6 +23,7 @@ from typing import Any
 from kareus.backends.factory import BackendSpec, open_backend, open_prior
 from kareus.errors import KareusError, SpecError
 from kareus.partition import PartitionSet
+from kareus.ray_support import import_ray
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.search.surrogate import SurrogateConfig
 from kareus.spec import JobSpec, validate_job
@@ -214,7 +215,7 @@ def _drain(q: Any, progress: TaskProgress | None, timeout_s: float) -> None:
 def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgress | None
              ) -> list[SearchResult]:
     try:
-        import ray
+        ray = import_ray()
     except ImportError:
         raise KareusError("the ray executor needs Ray: pip install 'kareus[ray]'") from None
     started_here = not ray.is_initialized()

@@ -1,54 +1,139 @@
-"""`kareus profile`: measure partitions on real GPUs through the search loop, journal first.
+"""`kareus profile`: measure everything composition needs, journal first.
 
-Run under torchrun with as many processes as the partitions' TP/CP group: every rank runs
-the kernels and the NCCL collective (one communicator per SM setting) in lockstep, every
-rank reads the journal (so all skip the same settings already measured), and rank 0
-writes it. On one process the collective is a single-GPU stand-in. Without
-``allow_clock_changes`` only the GPU's current clock is measured.
+1. The partitions, through the search loop (MBO by default; exhaustive on request).
+2. Every other number composing the iteration takes, per clock of the search list: each
+   instruction's fixed steps (ops outside partitions, the solo first segment, the exposed
+   last collective, embedding and LM head with the loss, forward and backward), the
+   sequential Megatron-LM execution the baselines use, the default-overlap settings of the
+   Nanobatching baselines, the pipeline send/receive and the data-parallel sync. These are
+   found by a dry run of the composition itself (`Composer.ask_all` on a journal that
+   answers placeholders), so the list is exactly what `kareus optimize --measurements`
+   will ask for, and nothing is measured twice.
+
+Under torchrun every rank of the TP/CP group runs the kernels and the collective in
+lockstep, every rank decides on rank 0's numbers (`AgreedBackend`), and rank 0 journals.
+On one process the collective is a single-GPU stand-in. Without ``allow_clock_changes``
+only the GPU's current clock is measured.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
+from kareus.backends.agreed import AgreedBackend
+from kareus.backends.base import Backend
 from kareus.backends.factory import BackendSpec, open_backend
+from kareus.backends.journaled import JournaledBackend
+from kareus.backends.needs import Need
+from kareus.compose.options import Composer, key_frontiers
 from kareus.errors import KareusError
+from kareus.methods import all_methods
 from kareus.partition import PartitionSet
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.spec import JobSpec
 from kareus.store import Journal
 
 ProfileProgress = Callable[[str, int, int], None]
+"""progress(partition key or COMPOSITION, done, total)."""
+
+COMPOSITION = "composition steps"
+"""The progress label of the measurements outside partitions."""
 
 
-def profile(job: JobSpec, keys: Sequence[str], journal: str, backend: BackendSpec,
-            config: SearchConfig | None = None, progress: ProfileProgress | None = None
-            ) -> list[SearchResult]:
-    """Measure the partitions ``keys`` (every setting unless ``config`` says otherwise)."""
-    from kareus.gpu.distributed import torchrun_group  # torch only where a GPU profiles
+@dataclass
+class ProfileResult:
+    searches: list[SearchResult]
+    composition_needed: int = 0
+    """Measurements outside the searches that composition uses (0: not profiled)."""
+    composition_measured: int = 0
+    """Of those, measured by this run (the others were in the journal)."""
 
-    cfg = config or SearchConfig(strategy="exhaustive")
+    def to_dict(self) -> dict[str, Any]:
+        return {"searches": [s.to_dict() for s in self.searches],
+                "composition_needed": self.composition_needed,
+                "composition_measured": self.composition_measured}
+
+
+def profile(job: JobSpec, journal: str, backend: BackendSpec,
+            config: SearchConfig | None = None, keys: Sequence[str] | None = None,
+            progress: ProfileProgress | None = None, composition: bool = True
+            ) -> ProfileResult:
+    """Profile the partitions ``keys`` (default: all) and, with ``composition``, every
+    number composing the job's iteration needs."""
+    from kareus.gpu.distributed import torchrun_group  # torch only where a group runs
+
+    cfg = config or SearchConfig()
     ps = PartitionSet.from_job(job)
-    parts = [ps[k] for k in keys]
+    parts = [ps[k] for k in (keys or ps.keys)]
     backend.check(job)
     with torchrun_group() as group:
         for p in parts:
             if group.world_size > 1 and p.collective.group_size != group.world_size:
                 raise KareusError(f"{p.key} runs over {p.collective.group_size} GPUs; launch "
                                   f"torchrun with --nproc-per-node {p.collective.group_size}")
-        spec = replace(backend, gpu_index=group.local_rank) if backend.name == "nvml" else (
-            backend)
-        results = []
-        with Journal(journal) as store, open_backend(job, spec, group.collectives) as be:
+        spec = backend
+        if backend.name in ("nvml", "fakegpu"):
+            spec = replace(backend, gpu_index=group.local_rank,
+                           torch_device=backend.torch_device or (
+                               group.device if group.world_size > 1 else None))
+        record = group.rank == 0
+        with Journal(journal) as store, open_backend(
+                job, spec, group.collectives, group.agree) as raw:
+            be: Backend = AgreedBackend(raw, group.agree) if group.world_size > 1 else raw
             jid = store.register_job(job)
             freqs = job.freqs_mhz if spec.allow_clock_changes or spec.name != "nvml" else (
-                _current_clock(be),)
+                _current_clock(raw),)
+            searches = []
             for p in parts:
                 report = (lambda d, n, k=p.key: progress(k, d, n)) if progress else None
-                results.append(run_search(p, be, freqs, cfg, store, jid, progress=report,
-                                          record=group.rank == 0))
-        return results
+                searches.append(run_search(p, be, freqs, cfg, store, jid, progress=report,
+                                           record=record))
+            result = ProfileResult(searches)
+            if composition:
+                group.agree(True)  # every rank reads the journal after rank 0's last write
+                needed, measured = _composition(ps, be, store, jid, freqs, record, progress)
+                result.composition_needed, result.composition_measured = needed, measured
+        return result
+
+
+def composition_needs(ps: PartitionSet, backend: Backend, journal: Journal, jid: str,
+                      freqs_mhz: tuple[int, ...]) -> list[Need]:
+    """What composing every method from ``journal``'s partition measurements asks of
+    ``backend`` and the journal lacks (a dry run: nothing is measured)."""
+    dry = JournaledBackend(backend, journal, jid, dry_run=True)
+    Composer(ps, dry, freqs_mhz).ask_all(all_methods(), journal_frontiers(
+        ps, journal, jid, backend.identity()))
+    return dry.missing
+
+
+def journal_frontiers(ps: PartitionSet, journal: Journal, jid: str, identity: str
+                      ) -> dict[str, dict[int, list[Any]]]:
+    """Each partition's per-clock fronts from every setting ``journal`` holds of it."""
+    return key_frontiers({k: [(s.knobs, s.measurement)
+                              for s in journal.samples(jid, k, identity)]
+                          for k in ps.keys})
+
+
+def _composition(ps: PartitionSet, be: Backend, store: Journal, jid: str,
+                 freqs: tuple[int, ...], record: bool, progress: ProfileProgress | None
+                 ) -> tuple[int, int]:
+    todo = len(composition_needs(ps, be, store, jid, freqs))
+    done = 0
+
+    def tick(_need: Need) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(COMPOSITION, done, todo)
+
+    if progress is not None:
+        progress(COMPOSITION, 0, todo)
+    real = JournaledBackend(be, store, jid, record=record, on_measured=tick)
+    Composer(ps, real, freqs).ask_all(all_methods(), journal_frontiers(
+        ps, store, jid, be.identity()))
+    return todo, real.measured
 
 
 def _current_clock(backend: object) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kareus.methods import all_methods, display_name
 from kareus.plan import Plan
@@ -66,7 +67,7 @@ def metrics_table(metrics: dict[str, dict[str, float | None]]) -> list[str]:
 def markdown_report(result: OptimizeResult, out: Path) -> str:
     job = result.job
     lines = [f"# Kareus plans for {job.describe()}", "", headline(result), "",
-             "## What was searched", "",
+             *_sources_lines(result.sources), "## What was searched", "",
              "| partition | samples | measured this run | reused | frontier | stopped | "
              "profiling (GPU-h) |", "|---|---|---|---|---|---|---|"]
     for s in result.searches:
@@ -97,6 +98,23 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
               "Each plan file in `plans/` holds the clock of every pipeline instruction and "
               "the collective SMs and launch slot of every partition.", ""]
     return "\n".join(lines)
+
+
+def _sources_lines(sources: dict[str, Any] | None) -> list[str]:
+    """Where the numbers came from, when they were read from a journal."""
+    if sources is None:
+        return []
+    lines = ["## Measurements", "",
+             f"Composed from the journal `{sources['measurements']}`, measurements of "
+             f"backend `{sources['backend']}`; nothing was searched by this run."]
+    filled = sources.get("filled") or []
+    if filled:
+        lines += ["", f"**{len(filled)} numbers came from the {sources['filled_from']}, not "
+                      f"from measurements** (`--fill-missing {sources['filled_from']}`):", ""]
+        lines += [f"- {n}" for n in filled]
+    else:
+        lines += ["Every number is a measurement from the journal."]
+    return [*lines, ""]
 
 
 def _validation_line(error: float | None) -> str:

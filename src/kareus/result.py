@@ -33,6 +33,10 @@ class OptimizeResult:
     timings_s: dict[str, float] = field(default_factory=dict)
     run_id: str = ""
     """This run's id (`content_id`): result.json and every plan file of the run carry it."""
+    sources: dict[str, Any] | None = None
+    """Composed from a journal (`optimize --measurements`): the journal, the backend whose
+    measurements were used, and every number the emulator filled in (``filled``; empty
+    unless the user opted in with --fill-missing). None: searched by this run."""
 
     @property
     def job_id(self) -> str:
@@ -62,6 +66,7 @@ class OptimizeResult:
                 for m, ps in self.plans.items()},
             "metrics": self.metrics,
             "validation_max_rel_error": self.validation_max_error,
+            "measurements": self.sources,
             "searches": [{k: getattr(s, k) for k in _SEARCH_FIELDS}
                          | {"samples": len(s.samples), "frontier": len(s.frontier)}
                          for s in self.searches],

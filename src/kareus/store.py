@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kareus.core import Knobs, Measurement
 from kareus.core.measurement import FIELDS
@@ -98,6 +99,28 @@ def job_id(job: JobSpec) -> str:
 class StoredSample:
     knobs: Knobs
     measurement: Measurement
+
+
+class JournalLike(Protocol):
+    """What measuring code (the search loop, `JournaledBackend`) asks of a journal:
+    `Journal`, or a stand-in on a machine that cannot open it (a Ray rank's proxy that
+    reads a snapshot and sends its writes to the driver, `kareus.profile_ray`)."""
+
+    def register_backend(self, identity: str, info: dict[str, object]) -> None: ...
+
+    def record(self, jid: str, partition: str, backend: str, knobs: Knobs, m: Measurement
+               ) -> None: ...
+
+    def record_ops(self, jid: str, ops: str, backend: str, freq_mhz: int, sms: int,
+                   m: Measurement) -> None: ...
+
+    def samples(self, jid: str, partition: str, backend: str) -> list[StoredSample]: ...
+
+    def partition_samples(self, jid: str, backend: str
+                          ) -> dict[tuple[str, Knobs], Measurement]: ...
+
+    def op_samples(self, jid: str, backend: str
+                   ) -> dict[tuple[str, int, int], Measurement]: ...
 
 
 class Journal:

@@ -34,17 +34,18 @@ def fakes(monkeypatch):
     dist = FakeDist()
     monkeypatch.setattr(torch, "distributed", dist, raising=False)
     monkeypatch.setitem(sys.modules, "torch.distributed", dist)
-    fake_cuda = types.SimpleNamespace(set_device=lambda i: dist.calls.append(("device", i)))
+    fake_cuda = types.SimpleNamespace(set_device=lambda i: dist.calls.append(("device", i)),
+                                      is_available=lambda: True)
     monkeypatch.setattr(torch, "cuda", fake_cuda)
     monkeypatch.setattr(distributed, "NcclCollectives", FakeCollectives)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KAREUS_DIST_BACKEND"):
         monkeypatch.delenv(name, raising=False)
     return dist
 
 
 def test_a_single_process_has_no_group(fakes):
     with torchrun_group() as g:
-        assert g == TorchrunGroup(0, 1, 0, None)
+        assert g == TorchrunGroup(0, 1, 0, None, "cuda:0")
         assert g.device == "cuda:0"
     assert fakes.calls == []
 
@@ -76,4 +77,14 @@ def test_the_group_is_destroyed_when_the_collectives_fail(fakes, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="no NCCL"), torchrun_group():
         pass
+    assert fakes.calls[-1] == ("destroy",)
+
+
+def test_without_cuda_the_group_is_gloo_on_the_cpu(fakes, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with torchrun_group() as g:
+        assert g.device == "cpu" and g.collectives.device == "cpu"
+        assert fakes.calls == [("init", "gloo")]
     assert fakes.calls[-1] == ("destroy",)

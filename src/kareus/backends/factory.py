@@ -4,8 +4,9 @@ data, so it crosses process boundaries (search workers, Ray tasks) as a dict."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ from typing import Any
 from kareus.backends.base import Backend, CostModel, PlanSimulator
 from kareus.core import MeasurementProtocol
 from kareus.errors import SpecError
+from kareus.gpu.device import GPUDevice
 from kareus.spec import JobSpec
 from kareus.workload.ops import Collective
 
-BACKENDS = ("emulator", "nvml", "replay")
+BACKENDS = ("emulator", "nvml", "replay", "fakegpu")
 PRIORS = ("none", "emulator")
 
 
@@ -39,6 +41,9 @@ class BackendSpec:
     replay_identity: str | None = None
     """replay: which backend's measurements (needed when the journal holds several)."""
     protocol: MeasurementProtocol | None = None
+    torch_device: str | None = None
+    """nvml / fakegpu: where the kernels run (default ``cuda:<gpu_index>``; fakegpu: the
+    CPU)."""
 
     def check(self, job: JobSpec) -> None:
         """Everything that can be checked before any work starts; SpecError otherwise."""
@@ -48,7 +53,8 @@ class BackendSpec:
             raise SpecError(f"noise must be between 0 and 0.5, got {self.noise}")
         if self.gpu_index < 0:
             raise SpecError(f"--gpu-index must be >= 0, got {self.gpu_index}")
-        if self.name == "nvml" and len(job.freqs_mhz) > 1 and not self.allow_clock_changes:
+        if (self.name in ("nvml", "fakegpu") and len(job.freqs_mhz) > 1
+                and not self.allow_clock_changes):
             raise SpecError("a search over frequencies on a real GPU needs "
                             "--allow-clock-changes; without it, pass --freqs with the one "
                             "clock the GPU runs at")
@@ -79,10 +85,11 @@ class BackendSpec:
 
 @contextmanager
 def open_backend(job: JobSpec, spec: BackendSpec | None = None,
-                 collectives: Callable[[Collective, int], Callable[[], object]] | None = None
-                 ) -> Iterator[Backend]:
+                 collectives: Callable[[Collective, int], Callable[[], object]] | None = None,
+                 agree: Callable[[int], int] | None = None) -> Iterator[Backend]:
     """``collectives``: real GPUs, a factory of the partitions' NCCL collectives (profiling
-    a TP/CP group under torchrun); None runs a single-GPU stand-in."""
+    a TP/CP group under torchrun); None runs a single-GPU stand-in. ``agree``: rank 0's
+    value on every rank of that group (so that all run each window equally often)."""
     spec = spec or BackendSpec()
     if spec.name == "emulator":
         from kareus.backends.emulator import EmulatorBackend
@@ -97,17 +104,41 @@ def open_backend(job: JobSpec, spec: BackendSpec | None = None,
             raise SpecError("the replay backend needs --replay-journal JOURNAL")
         yield ReplayBackend(spec.replay_journal, job, spec.replay_identity)
         return
-    if spec.name == "nvml":
+    if spec.name in ("nvml", "fakegpu"):
         from kareus.backends.nvml import NvmlBackend
         from kareus.gpu.clock_guard import ClockGuard
-        from kareus.gpu.device import ZeusDevice
 
-        device = ZeusDevice(spec.gpu_index)
-        with ClockGuard(device, allow_changes=spec.allow_clock_changes) as guard:
+        device = _device(job, spec)
+        where = spec.torch_device or ("cpu" if spec.name == "fakegpu"
+                                      else f"cuda:{spec.gpu_index}")
+        with ExitStack() as stack:
+            # a fake GPU's clock lock lives in a directory of its own: fake GPUs of
+            # concurrent processes share indices, real ones do not
+            lock_dir = (None if spec.name == "nvml"
+                        else stack.enter_context(tempfile.TemporaryDirectory()))
+            guard = stack.enter_context(
+                ClockGuard(device, allow_changes=spec.allow_clock_changes, lock_dir=lock_dir))
             yield NvmlBackend(job, device, guard, protocol=spec.protocol,
-                              torch_device=f"cuda:{spec.gpu_index}", collective=collectives)
+                              torch_device=where, collective=collectives, name=spec.name,
+                              agree=agree)
         return
     raise SpecError(f"unknown backend {spec.name!r}; available: {', '.join(BACKENDS)}")
+
+
+def _device(job: JobSpec, spec: BackendSpec) -> GPUDevice:
+    """The real GPU, or for ``fakegpu`` one in memory with the job's GPU's clock table and
+    a power model from its catalog entry (TDP at the maximum clock, catalog static power):
+    the whole real-GPU path, kernels included, on any machine."""
+    if spec.name == "nvml":
+        from kareus.gpu.device import ZeusDevice
+
+        return ZeusDevice(spec.gpu_index)
+    from kareus.gpu.device import FakeDevice
+
+    g = job.gpu_spec
+    return FakeDevice(index=spec.gpu_index, name=f"fake {g.name}",
+                      default_clock_mhz=g.max_freq_mhz, clocks_mhz=g.clock_table_mhz,
+                      power_w=g.tdp_w, static_power_w=g.static_power_w)
 
 
 def nominal_cost_model(job: JobSpec, calibration: str | Path | None = None) -> CostModel:

@@ -15,6 +15,7 @@ torch, Zeus and NVML are imported lazily (see kareus.gpu.device, kareus.gpu.kern
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,12 +41,14 @@ CollectiveFactory = Callable[[Collective, int], Callable[[], object]]
 
 
 class NvmlBackend:
-    name = "nvml"
 
     def __init__(self, job: JobSpec, device: GPUDevice, guard: ClockGuard | None = None,
                  protocol: MeasurementProtocol | None = None, torch_device: str = "cuda",
                  static_power_w: float | None = None, warmup_runs: int = 3,
-                 min_runs: int = 3, collective: CollectiveFactory | None = None) -> None:
+                 min_runs: int = 3, collective: CollectiveFactory | None = None,
+                 name: str = "nvml", agree: Callable[[int], int] | None = None) -> None:
+        self.name = name
+        """"nvml"; "fakegpu" for the CPU kernels with a fake device's energy counter."""
         self.job = job
         self.gpu = job.gpu_spec
         self.device = device
@@ -58,10 +61,12 @@ class NvmlBackend:
         self.warmup_runs = warmup_runs
         self.min_runs = min_runs
         self._collective_factory = collective
+        self._agree: Callable[[int], int] = agree or (lambda n: n)
+        """Rank 0's value on every rank of a group profiled together (kareus.gpu.distributed)."""
         self._runners: dict[tuple[str, int, str | None], PartitionRunner] = {}
         self._kernels: dict[str, list[Kernel]] = {}
         self._collectives: dict[tuple[str, int], Callable[[], object]] = {}
-        self._op_runs: dict[tuple[Op, ...], list[Callable[[], object]]] = {}
+        self._op_runs: dict[tuple[tuple[Op, ...], int], list[Callable[[], object]]] = {}
 
     def identity(self) -> str:
         """``nvml:<GPU>``, plus ``:static=<W>W`` when the static power was measured on the
@@ -114,11 +119,12 @@ class NvmlBackend:
 
     def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
                     ) -> Measurement:
-        """Ops back to back on the compute stream: compute ops as their kernels, collectives
-        as the single-GPU stand-in copy, each blocking the stream. The stand-in cannot be
-        pinned to a number of SMs, so ``sms`` changes nothing here."""
+        """Ops back to back on the compute stream, each collective blocking it. A TP/CP
+        collective runs for real on the group (profiling under torchrun) with ``sms`` SMs;
+        on one process, and for pipeline send/receive and data-parallel sync (whose groups
+        are not this one), the single-GPU stand-in copy of its bytes runs instead."""
         self._ensure_clock(freq_mhz)
-        fns = self._op_run(tuple(ops))
+        fns = self._op_run(tuple(ops), sms or self.default_sms)
 
         def run() -> None:
             for fn in fns:
@@ -126,16 +132,25 @@ class NvmlBackend:
 
         return self._measure_window(run, self._sync)
 
-    def _op_run(self, ops: tuple[Op, ...]) -> list[Callable[[], object]]:
-        fns = self._op_runs.get(ops)
+    def _op_run(self, ops: tuple[Op, ...], sms: int) -> list[Callable[[], object]]:
+        fns = self._op_runs.get((ops, sms))
         if fns is None:
             torch = import_torch()
             shapes = LayerShapes(self.job)
-            fns = self._op_runs[ops] = [
-                stand_in_collective(op.bytes_, self.torch_device) if isinstance(op, Collective)
+            fns = self._op_runs[(ops, sms)] = [
+                self._collective(op, sms) if isinstance(op, Collective)
                 else build_kernel(op, shapes, self.torch_device, torch.bfloat16).run
                 for op in ops]
         return fns
+
+    def _collective(self, coll: Collective, sms: int) -> Callable[[], object]:
+        if self._collective_factory is not None and coll.group in ("tp", "cp"):
+            key = (f"ops:{coll.name}:{coll.kind}:{coll.bytes_:.0f}", sms)
+            fn = self._collectives.get(key)
+            if fn is None:
+                fn = self._collectives[key] = self._collective_factory(coll, sms)
+            return fn
+        return stand_in_collective(coll.bytes_, self.torch_device)
 
     def _sync(self) -> None:
         if self.torch_device.startswith("cuda"):
@@ -167,12 +182,18 @@ class NvmlBackend:
         for _ in range(self.warmup_runs):
             run()
         sync()
-        runs = 0
+        # the number of runs is fixed before the window, from one timed probe run: every
+        # rank of a TP/CP group must run the collective equally often (rank 0's count is
+        # agreed), or the ranks that stop early leave the others blocked in it
+        p0 = time.perf_counter()
+        run()
+        sync()
+        per_run_s = max(time.perf_counter() - p0, 1e-9)
+        runs = self._agree(max(self.min_runs, math.ceil(self.protocol.window_s / per_run_s)))
         e0, t0 = self.device.energy_j(), time.perf_counter()
-        while runs < self.min_runs or time.perf_counter() - t0 < self.protocol.window_s:
+        for i in range(runs):
             run()
-            runs += 1
-            if runs % 8 == 0:
+            if (i + 1) % 8 == 0:
                 sync()
         sync()
         t1, e1 = time.perf_counter(), self.device.energy_j()

@@ -37,18 +37,32 @@ def optimize(
     force: Annotated[bool, typer.Option(
         "--force", help="Replace the result of another job in --out (the journal keeps "
                         "both jobs' measurements).", metavar="")] = False,
+    measurements: Annotated[Optional[str], typer.Option(
+        "--measurements", help="Compose from this journal alone (written by `kareus "
+                               "profile`): no search, no emulator number; what it lacks "
+                               "is one error listing it.")] = None,
+    fill_missing: Annotated[Optional[str], typer.Option(
+        "--fill-missing", help="With --measurements: take what the journal lacks from the "
+                               "emulator (result.json and report.md list those numbers).")
+                            ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Search every partition, compose the iteration frontiers of every method, write
-    DIR/result.json, DIR/plans/, DIR/frontier.png and DIR/report.md."""
+    DIR/result.json, DIR/plans/, DIR/frontier.png and DIR/report.md.
+
+    With --backend nvml: profile every partition and composition step on the local GPU
+    first (as `kareus profile`), then compose from those measurements."""
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
-    check_optimize(job, out, config, backend, executor, force)
+    check_optimize(job, out, config, backend, executor, force, measurements, fill_missing)
     if json_out:
-        print_json(run_optimize(job, out, config, backend, executor, force=force).to_dict())
+        print_json(run_optimize(job, out, config, backend, executor, force=force,
+                                measurements=measurements, fill_missing=fill_missing
+                                ).to_dict())
         return
     with ProgressBars(PartitionSet.from_job(job).keys) as bars:
         result = run_optimize(job, out, config, backend, executor, progress=bars.update,
-                              stage=lambda msg: bars.bar.console.log(msg), force=force)
+                              stage=lambda msg: bars.bar.console.log(msg), force=force,
+                              measurements=measurements, fill_missing=fill_missing)
         bars.finish(result.searches)
     _print_frontiers(job, result, out)
 
@@ -66,6 +80,12 @@ def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
                   f"{low.time_s:.3f}", pct(m.get("iso_time_energy_reduction")),
                   pct(m.get("iso_energy_time_reduction")))
     console.print(t)
+    if result.sources is not None:
+        filled = result.sources["filled"]
+        console.print(f"composed from {result.sources['measurements']} "
+                      f"({result.sources['backend']})" + (
+                          f"; {len(filled)} numbers from the {result.sources['filled_from']}"
+                          if filled else "; every number measured"))
     err = result.validation_max_error
     check = ("not validated (no cost model for this backend)" if err is None
              else f"predicted vs simulated within {err * 100:.2f}%")

@@ -1,5 +1,6 @@
 """Commands that search or profile partitions and read journals: search, profile, journal."""
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -13,7 +14,7 @@ from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, t
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.core import MeasurementProtocol
-from kareus.errors import KareusError
+from kareus.errors import KareusError, SpecError
 from kareus.executors import ExecutorSpec, SearchTask, make_task, run_tasks
 from kareus.partition import PartitionSet
 from kareus.profile import profile as run_profile
@@ -32,6 +33,8 @@ class ProgressBars:
         self.ids = {k: self.bar.add_task(k, total=None) for k in keys}
 
     def update(self, key: str, done: int, total: int) -> None:
+        if key not in self.ids:  # a stage after the searches (profile's composition steps)
+            self.ids[key] = self.bar.add_task(key, total=total)
         self.bar.update(self.ids[key], completed=done, total=total)
 
     def finish(self, results: list[SearchResult]) -> None:
@@ -164,27 +167,62 @@ def journal_cmd(
 def profile(
     job: JobSpec,
     backend: BackendSpec,
-    partition: Annotated[list[str], typer.Option(
-        "--partition", help="Partition key (repeatable).")],
     journal: Annotated[str, typer.Option("--journal", help="SQLite journal (rank 0).")],
+    partition: Annotated[Optional[list[str]], typer.Option(
+        "--partition", help="Partition key (repeatable; default: every partition).")
+                         ] = None,
+    strategy: Annotated[str, typer.Option(
+        "--strategy", help="mbo (default) or exhaustive: every setting.")] = "mbo",
+    budget: Annotated[int, typer.Option(
+        "--budget", help="Settings per partition (mbo).")] = 100,
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
+    partitions_only: Annotated[bool, typer.Option(
+        "--partitions-only", help="Skip the steps outside partitions (fixed steps, "
+                                  "baselines, transfers, data-parallel sync).",
+        metavar="")] = False,
     window: Annotated[float, typer.Option("--window", help="Measurement window, s.")] = 5.0,
     cooldown: Annotated[float, typer.Option("--cooldown", help="Cooldown, s.")] = 5.0,
     settle: Annotated[float, typer.Option("--settle", help="Settle after a clock change, "
                                                            "s.")] = 2.0,
+    json_out: JsonFlag = False,
 ) -> None:
-    """Measure every setting of the given partitions, journaling each (settings already in
-    the journal are kept, not measured again).
+    """Measure everything composing a plan needs, journaling each number before use
+    (what the journal holds is kept, not measured again): every partition (MBO search, or
+    every setting), then each instruction's fixed steps, the Megatron-LM and Nanobatching
+    baselines' steps, the pipeline transfers and the data-parallel sync, per clock.
+    `kareus optimize --measurements JOURNAL` then composes from the journal alone.
 
-    Real GPUs: run it under torchrun with as many processes as the partition's TP/CP group;
-    every rank runs the kernels and the NCCL collective, rank 0 writes the journal. Without
-    --allow-clock-changes only the GPU's current clock is measured.
+    Real GPUs: run it under torchrun with as many processes as the partitions' TP/CP
+    group; every rank runs the kernels and the NCCL collective, rank 0 writes the journal.
+    Without --allow-clock-changes only the GPU's current clock is measured.
     """
+    if strategy not in ("mbo", "exhaustive"):
+        raise SpecError(f"--strategy must be mbo or exhaustive, got {strategy!r}")
     spec = replace(backend, protocol=MeasurementProtocol(window, cooldown, settle))
+    config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
+                          tolerance=tolerance)
+    ps = PartitionSet.from_job(job)
+    keys = partition or ps.keys
+    for key in keys:  # unknown keys and bad settings fail before any work starts
+        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), False)
     check_journal(journal)
-    with ProgressBars(list(partition)) as bars:
-        results = run_profile(job, partition, journal, spec, progress=bars.update)
-        bars.finish(results)
-    measured = sum(r.measured_this_run for r in results)
-    reused = sum(r.reused_from_journal for r in results)
-    console.print(f"profiled {len(results)} partitions: {measured} settings measured, "
-                  f"{reused} already in {journal}")
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: only rank 0 reports
+        run_profile(job, journal, spec, config, keys, composition=not partitions_only)
+        return
+    if json_out:
+        print_json({"schema_version": SCHEMA_VERSION, "journal": journal,
+                    **run_profile(job, journal, spec, config, keys,
+                                  composition=not partitions_only).to_dict()})
+        return
+    with ProgressBars(list(keys)) as bars:
+        result = run_profile(job, journal, spec, config, keys, progress=bars.update,
+                             composition=not partitions_only)
+        bars.finish(result.searches)
+    measured = sum(r.measured_this_run for r in result.searches)
+    reused = sum(r.reused_from_journal for r in result.searches)
+    console.print(f"profiled {len(result.searches)} partitions: {measured} settings "
+                  f"measured, {reused} already in {journal}")
+    if not partitions_only:
+        console.print(f"steps outside partitions: {result.composition_measured} measured "
+                      f"of {result.composition_needed} missing from the journal")

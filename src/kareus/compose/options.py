@@ -53,7 +53,16 @@ class Composer:
         self.ps = ps
         self.backend = backend
         self.freqs = tuple(sorted(freqs_mhz, reverse=True))
-        self.f_max = backend.gpu.max_freq_mhz
+        self.f_max = self.freqs[0]
+        """The highest clock of the search list: the max-clock methods run there, and so
+        do the pipeline transfers (a GPU profiled without clock changes has one clock)."""
+
+    def ask_all(self, methods: Sequence[Method], fronts: KeyFrontiers) -> None:
+        """Ask the backend for every number composing ``methods`` takes: a dry run lists
+        them, a journaled backend measures and records them."""
+        for method in methods:
+            self.options(method, fronts)
+        self.pipeline_costs()
 
     # Options ---------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """One GPU as Kareus uses it: clocks, the energy counter, the current clock.
 
 `ZeusDevice` drives a real GPU through Zeus's device API (which wraps NVML); `FakeDevice`
-is the null object of the tests and of dry runs: it records every call, keeps clocks in
-memory, and integrates a constant power into its energy counter.
+is the null object of the tests, of dry runs and of the ``fakegpu`` backend: it records
+every call, keeps clocks in memory, and integrates a power model into its energy counter
+(constant by default; with ``static_power_w`` set, static power plus a dynamic part that
+scales with the locked clock as f^2.5, the usual f·V² with voltage rising with f).
 """
 
 from __future__ import annotations
@@ -48,9 +50,24 @@ class FakeDevice:
     state_path: str | None = None
     """If set, the clock state is written there after every call (so a test can read what
     a killed process left behind)."""
+    static_power_w: float | None = None
+    """None: the counter integrates ``power_w`` whatever the clock."""
     calls: list[tuple] = field(default_factory=list)
     locked: tuple[int, int] | None = None
-    _t0: float = field(default_factory=time.monotonic)
+    _t_last: float = field(default_factory=time.monotonic)
+    _energy_j: float = 0.0
+
+    def power_at(self, freq_mhz: int) -> float:
+        """The power model: ``power_w`` at the default clock."""
+        if self.static_power_w is None:
+            return self.power_w
+        dynamic = max(self.power_w - self.static_power_w, 0.0)
+        return self.static_power_w + dynamic * (freq_mhz / self.default_clock_mhz) ** 2.5
+
+    def _integrate(self) -> None:
+        now = time.monotonic()
+        self._energy_j += (now - self._t_last) * self.power_at(self.current_sm_clock_mhz())
+        self._t_last = now
 
     def _save(self) -> None:
         if self.state_path:
@@ -66,17 +83,20 @@ class FakeDevice:
         return self.locked[1] if self.locked else self.default_clock_mhz
 
     def set_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        self._integrate()
         self.calls.append(("set_locked_clocks", min_mhz, max_mhz))
         self.locked = (min_mhz, max_mhz)
         self._save()
 
     def reset_locked_clocks(self) -> None:
+        self._integrate()
         self.calls.append(("reset_locked_clocks",))
         self.locked = None
         self._save()
 
     def energy_j(self) -> float:
-        return (time.monotonic() - self._t0) * self.power_w
+        self._integrate()
+        return self._energy_j
 
     @property
     def clock_calls(self) -> list[tuple]:
@@ -87,11 +107,12 @@ class ZeusDevice:
     """A real NVIDIA GPU through Zeus's device API (imported lazily)."""
 
     def __init__(self, index: int = 0) -> None:
+        _require_nvidia_gpu(index)
         try:
             from zeus.device import get_gpus
         except ImportError:
-            raise KareusError("the nvml backend needs Zeus and NVML: pip install "
-                              "'kareus[gpu]'") from None
+            raise KareusError("the nvml backend needs Zeus: pip install 'kareus[gpu]'"
+                              ) from None
         try:
             self._gpus = get_gpus()
             self.index = index
@@ -128,3 +149,23 @@ class ZeusDevice:
 
     def energy_j(self) -> float:
         return float(self._gpus.get_total_energy_consumption(self.index)) / 1000.0
+
+
+def _require_nvidia_gpu(index: int) -> None:
+    """One clear line where there is no NVIDIA GPU (no driver, no device, no such index),
+    before Zeus is asked: its own errors on such machines are AMD or NVML tracebacks."""
+    try:
+        import pynvml
+    except ImportError:
+        raise KareusError("the nvml backend needs NVML's Python binding: pip install "
+                          "'kareus[gpu]'") from None
+    try:
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+    except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        raise KareusError(f"no NVIDIA GPU found (NVML: {exc})") from None
+    if count == 0:
+        raise KareusError("no NVIDIA GPU found (NVML sees no device)")
+    if index >= count:
+        raise KareusError(f"no NVIDIA GPU {index}: NVML sees {count} "
+                          f"(indices 0-{count - 1})")

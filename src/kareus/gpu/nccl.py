@@ -1,5 +1,8 @@
 """Real collectives for multi-GPU profiling: NCCL through torch.distributed, one process
-group per SM setting (NCCL's min_ctas = max_ctas = SMs), created once and reused."""
+group per SM setting (NCCL's min_ctas = max_ctas = SMs), created once and reused.
+
+On gloo (CPU processes: the tests and the fake-GPU path) there is no SM count to pin:
+every setting uses the one world group."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ class NcclCollectives:
 
     def group(self, sms: int) -> object:
         """The process group (all ranks) whose NCCL communicator uses ``sms`` CTAs."""
+        if sms not in self._groups and self.dist.get_backend() != "nccl":
+            self._groups[sms] = self.dist.group.WORLD
         if sms not in self._groups:
             dist = self.dist
             opts = dist.ProcessGroupNCCL.Options()

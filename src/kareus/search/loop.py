@@ -7,7 +7,7 @@ journal are reused, never measured again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from kareus.search.acquisition import Candidates, select_batch
 from kareus.search.design import initial_design
 from kareus.search.space import KnobSpace
 from kareus.search.surrogate import EnsembleSurrogate, SurrogateConfig
-from kareus.store import Journal
+from kareus.store import JournalLike
 
 STRATEGIES = ("mbo", "random", "exhaustive")
 
@@ -111,7 +111,15 @@ class SearchResult:
     measured_this_run: int
     profiling_cost_s: float
     stopped: str
-    """Why the search ended: "budget", "converged", or "exhausted"."""
+    """Why the search ended: "budget", "converged", "exhausted", or "journal" (a result
+    read from a journal, not searched by this run)."""
+
+    @classmethod
+    def from_journal(cls, partition: str,
+                     samples: Sequence[tuple[Knobs, Measurement]]) -> SearchResult:
+        """What a journal holds of a partition, as a result this run did not search."""
+        return cls(partition, "journal", 0, [Sample(k, m, reused=True) for k, m in samples],
+                   [], 0, 0.0, "journal")
 
     @property
     def frontier(self) -> list[Sample]:
@@ -174,7 +182,7 @@ class _Recorder:
     ``record=False``: read the journal but never write it (the other ranks of a TP/CP
     group profiled under torchrun measure in lockstep with rank 0, which records)."""
 
-    def __init__(self, partition: Partition, backend: Backend, journal: Journal | None,
+    def __init__(self, partition: Partition, backend: Backend, journal: JournalLike | None,
                  jid: str, budget: int, progress: Progress | None, record: bool = True
                  ) -> None:
         self.p = partition
@@ -233,7 +241,7 @@ class _Recorder:
 
 
 def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...],
-               config: SearchConfig, journal: Journal | None = None, job_id: str = "",
+               config: SearchConfig, journal: JournalLike | None = None, job_id: str = "",
                prior: CostModel | None = None, progress: Progress | None = None,
                record: bool = True) -> SearchResult:
     """Search one partition's knob space on ``backend``.

@@ -1,0 +1,126 @@
+"""scripts/gpu_check.py on the fake device: a tiny job's kernels on the CPU, no clock
+touched, every partition setting, fixed step and composed option in the report."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kareus.core import DIRECTIONS  # noqa: E402
+from kareus.gpu.check import ops_request  # noqa: E402
+from kareus.gpu.device import FakeDevice  # noqa: E402
+from kareus.methods import display_name  # noqa: E402
+from kareus.partition import PartitionSet  # noqa: E402
+from kareus.sources import build_job  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gpu_check = _load()
+
+
+def _step_label(step):
+    return step.unit.key if step.kind == "overlap" else ops_request(step.ops, None, "").label
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    md, js = out / "check.md", out / "check.json"
+    dev = FakeDevice(power_w=200.0)
+    rc = gpu_check.main(["--no-clock-changes", "--fake-device", "--out-md", str(md),
+                         "--json", str(js)], device=dev)
+    assert rc == 0
+    return dev, md.read_text(), json.loads(js.read_text())
+
+
+def test_no_clock_is_touched(checked):
+    dev, _, doc = checked
+    assert dev.clock_calls == []
+    assert doc["clock"]["load_mhz"] == doc["clock"]["emulated_mhz"] == 1410
+
+
+def test_every_partition_at_every_setting(checked):
+    _, md, doc = checked
+    ps = PartitionSet.from_job(build_job(overrides=gpu_check.FAKE_JOB))
+    rows = {(r["label"], r["sms"], r["slot"]) for r in doc["measurements"]
+            if r["category"] == "partition setting"}
+    for p in ps.partitions.values():
+        for sms in p.sm_choices:
+            for slot in p.launch_options:
+                assert (p.key, sms, slot) in rows
+                assert f"| partition setting | {p.key} | {sms} | {slot or 'none'} |" in md
+
+
+def test_every_fixed_step_measured_once(checked):
+    _, md, doc = checked
+    ps = PartitionSet.from_job(build_job(overrides=gpu_check.FAKE_JOB))
+    fixed = [r for r in doc["measurements"] if r["category"] != "partition setting"]
+    labels = {r["label"] for r in fixed}
+    for layout in ps.layouts.values():
+        for step in layout.steps:
+            if step.kind != "partition":
+                assert _step_label(step) in labels
+    for d in DIRECTIONS:
+        for step in ps.sequential_layer[d]:
+            assert _step_label(step) in labels
+    assert {"send_activation", "send_grad"} <= labels
+    assert {r["category"] for r in fixed} == {"instruction step", "Megatron step", "pipeline"}
+    # identical runs of ops are measured once
+    keys = [(r["label"], r["sms"], r["slot"]) for r in fixed]
+    assert len(keys) == len(set(keys))
+    assert "| Megatron step |" in md and "| pipeline | send_grad |" in md
+
+
+def test_composed_options_of_every_method(checked):
+    _, md, doc = checked
+    shown = [display_name(n) for n in ("megatron", "nanobatch", "kareus")]
+    shown.append(gpu_check.SEARCHED.display_name)
+    for method in shown:
+        got = {(r["stage"], r["direction"]) for r in doc["options"] if r["method"] == method}
+        assert got == {(s, d) for s in range(2) for d in DIRECTIONS}
+        assert f"composed: {method}" in doc["summary"]
+    kinds: dict[str, set[str]] = {}
+    for r in doc["options"]:
+        kinds.setdefault(r["method"], set()).add(r["option"].split(":")[0])
+    assert kinds[shown[0]] == {"sequential"} and kinds[shown[1]] == {"default overlap"}
+    assert kinds[shown[3]] == {"searched"}
+    assert len(doc["fronts"]) == 4 * 4
+    assert "## Composed instruction options" in md and "FakeGPU" in md
+
+
+def test_relative_errors_are_finite(checked):
+    _, _, doc = checked
+    for r in [*doc["measurements"], *doc["options"]]:
+        assert math.isfinite(r["time_rel_error"]) and math.isfinite(r["energy_rel_error"])
+        assert r["measured"]["time_s"] > 0 and r["emulated"]["time_s"] > 0
+    assert doc["schema_version"] == 1 and doc["executor_overhead"]
+
+
+def test_an_estimate_over_the_limit_refuses_to_start(tmp_path, capsys):
+    dev = FakeDevice()
+    md = tmp_path / "check.md"
+    rc = gpu_check.main(["--fake-device", "--window", "5", "--max-minutes", "1",
+                         "--out-md", str(md)], device=dev)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "exceeds --max-minutes 1" in err[0]
+    assert not md.exists() and dev.clock_calls == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run")
+def test_without_a_gpu_one_line_and_status_2(tmp_path, capsys):
+    md = tmp_path / "check.md"
+    assert gpu_check.main(["--no-clock-changes", "--out-md", str(md)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gpu_check: ") and not md.exists()
