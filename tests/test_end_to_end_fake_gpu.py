@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.plan import Plan  # noqa: E402
-from kareus.store import Journal, job_id  # noqa: E402
+from kareus.plan import Plan
+from kareus.store import Journal, job_id
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
