@@ -100,3 +100,21 @@ def test_profile_optimize_plan_export_train(tmp_path):
     for rank in (0, 1):
         logged = (logs / f"kareus-example-clocks-rank{rank}.log").read_text().splitlines()
         assert logged == expected
+
+
+def test_optimize_on_the_fake_gpu_profiles_then_composes(tmp_path):
+    """`optimize --backend fakegpu` (like nvml on a GPU machine): one process, the
+    single-GPU stand-in collective, everything journaled in the result directory."""
+    job = _tiny_job().model_copy(update={"search_freqs_mhz": (1410,)})
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job.model_dump(mode="json")))
+    out = tmp_path / "result"
+    result = json.loads(_kareus("optimize", "--config", str(job_file), "--backend",
+                                "fakegpu", "--budget", "20", "--window", "0.01",
+                                "--cooldown", "0", "--settle", "0", "--out", str(out),
+                                "--json").stdout)
+    assert result["measurements"]["backend"].startswith("fakegpu:")
+    assert result["measurements"]["filled"] == []
+    assert {s["stopped"] for s in result["searches"]} == {"journal"}
+    assert set(result["methods"]) >= {"megatron", "kareus"}
+    assert (out / "journal.sqlite").is_file() and (out / "report.md").is_file()

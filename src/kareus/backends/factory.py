@@ -51,6 +51,10 @@ class BackendSpec:
             raise SpecError(f"unknown backend {self.name!r}; available: {', '.join(BACKENDS)}")
         if not 0 <= self.noise <= 0.5:
             raise SpecError(f"noise must be between 0 and 0.5, got {self.noise}")
+        pr = self.protocol
+        if pr is not None and (pr.window_s <= 0 or pr.cooldown_s < 0 or pr.settle_s < 0):
+            raise SpecError(f"--window must be positive and --cooldown, --settle at least 0;"
+                            f" got {pr.window_s}, {pr.cooldown_s}, {pr.settle_s}")
         if self.gpu_index < 0:
             raise SpecError(f"--gpu-index must be >= 0, got {self.gpu_index}")
         if (self.name in ("nvml", "fakegpu") and len(job.freqs_mhz) > 1

@@ -1,5 +1,6 @@
 """The main job and the suite comparison: optimize, compare."""
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,7 +17,9 @@ from kareus.methods import display_name
 from kareus.optimize import check_optimize
 from kareus.optimize import optimize as run_optimize
 from kareus.partition import PartitionSet
+from kareus.profile import profile as run_profile
 from kareus.result import OptimizeResult
+from kareus.resultdir import ResultDir
 from kareus.search.loop import SearchConfig
 from kareus.spec import JobSpec
 
@@ -53,6 +56,14 @@ def optimize(
     With --backend nvml: profile every partition and composition step on the local GPU
     first (as `kareus profile`), then compose from those measurements."""
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
+    if (os.environ.get("RANK", "0") != "0" and measurements is None
+            and backend.name in ("nvml", "fakegpu")):
+        # under torchrun the other ranks of the TP/CP group measure in lockstep with rank
+        # 0, which journals, composes and writes the result
+        rd = ResultDir(out)
+        rd.path.mkdir(parents=True, exist_ok=True)
+        run_profile(job, str(rd.journal), backend, config)
+        return
     check_optimize(job, out, config, backend, executor, force, measurements, fill_missing)
     if json_out:
         print_json(run_optimize(job, out, config, backend, executor, force=force,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 
 from kareus.backends.factory import BackendSpec
+from kareus.core import MeasurementProtocol
 from kareus.executors import ExecutorSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,7 +51,9 @@ def with_backend(default: str = "emulator") -> Callable[[F], F]:
     options: list[Option] = [
         ("backend_name", Annotated[str, _opt(
             "--backend", panel=p, help="Where measurements come from: emulator (no GPU), "
-            "nvml (a real NVIDIA GPU, with the gpu extra) or replay (a journal).")], default),
+            "nvml (a real NVIDIA GPU, with the gpu extra), replay (a journal) or fakegpu "
+            "(nvml's real kernels on the CPU with a simulated energy counter: the GPU path "
+            "without a GPU).")], default),
         ("noise", Annotated[float, _opt(
             "--noise", panel=p, help="Emulator measurement noise: relative std of time and "
             "dynamic energy.")], 0.0),
@@ -69,14 +72,28 @@ def with_backend(default: str = "emulator") -> Callable[[F], F]:
         ("replay_identity", Annotated[Optional[str], _opt(
             "--replay-identity", panel=p, help="Replay: which backend's measurements, when "
             "the journal holds several.")], None),
+        ("window", Annotated[Optional[float], _opt(
+            "--window", panel=p, help="Measurement window, s (default 5).")], None),
+        ("cooldown", Annotated[Optional[float], _opt(
+            "--cooldown", panel=p, help="Cooldown after a measurement, s (default 5).")],
+         None),
+        ("settle", Annotated[Optional[float], _opt(
+            "--settle", panel=p, help="Settle after a clock change, s (default 2).")], None),
     ]
 
     def build(v: dict[str, Any]) -> BackendSpec:
+        protocol = None
+        if any(v[k] is not None for k in ("window", "cooldown", "settle")):
+            d = MeasurementProtocol()
+            protocol = MeasurementProtocol(
+                d.window_s if v["window"] is None else v["window"],
+                d.cooldown_s if v["cooldown"] is None else v["cooldown"],
+                d.settle_s if v["settle"] is None else v["settle"])
         return BackendSpec(name=v["backend_name"], noise=v["noise"], seed=v["seed"],
                            calibration=v["calibration"],
                            allow_clock_changes=v["allow_clock_changes"],
                            gpu_index=v["gpu_index"], replay_journal=v["replay_journal"],
-                           replay_identity=v["replay_identity"])
+                           replay_identity=v["replay_identity"], protocol=protocol)
 
     return injects("backend", options, build)
 

@@ -1,7 +1,7 @@
 """Commands that search or profile partitions and read journals: search, profile, journal."""
 
 import os
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -13,11 +13,11 @@ from kareus.backends.factory import BackendSpec, check_prior
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
-from kareus.core import MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.executors import ExecutorSpec, SearchTask, make_task, run_tasks
 from kareus.partition import PartitionSet
-from kareus.profile import profile as run_profile
+from kareus.profile import profile as profile_local
+from kareus.profile_ray import profile_ray
 from kareus.search.loop import SearchConfig, SearchResult
 from kareus.spec import JobSpec
 from kareus.store import Journal
@@ -164,9 +164,11 @@ def journal_cmd(
 @app.command()
 @with_job
 @with_backend(default="nvml")
+@with_executor()
 def profile(
     job: JobSpec,
     backend: BackendSpec,
+    executor: ExecutorSpec,
     journal: Annotated[str, typer.Option("--journal", help="SQLite journal (rank 0).")],
     partition: Annotated[Optional[list[str]], typer.Option(
         "--partition", help="Partition key (repeatable; default: every partition).")
@@ -181,10 +183,9 @@ def profile(
         "--partitions-only", help="Skip the steps outside partitions (fixed steps, "
                                   "baselines, transfers, data-parallel sync).",
         metavar="")] = False,
-    window: Annotated[float, typer.Option("--window", help="Measurement window, s.")] = 5.0,
-    cooldown: Annotated[float, typer.Option("--cooldown", help="Cooldown, s.")] = 5.0,
-    settle: Annotated[float, typer.Option("--settle", help="Settle after a clock change, "
-                                                           "s.")] = 2.0,
+    ray_retries: Annotated[int, typer.Option(
+        "--ray-retries", help="With --executor ray: how often a partition whose node or "
+                              "rank died is started again elsewhere.")] = 2,
     json_out: JsonFlag = False,
 ) -> None:
     """Measure everything composing a plan needs, journaling each number before use
@@ -196,10 +197,14 @@ def profile(
     Real GPUs: run it under torchrun with as many processes as the partitions' TP/CP
     group; every rank runs the kernels and the NCCL collective, rank 0 writes the journal.
     Without --allow-clock-changes only the GPU's current clock is measured.
+    With --executor ray, each partition's group runs as Ray actors on one node of the
+    cluster (partitions in parallel), and this process writes the journal.
     """
     if strategy not in ("mbo", "exhaustive"):
         raise SpecError(f"--strategy must be mbo or exhaustive, got {strategy!r}")
-    spec = replace(backend, protocol=MeasurementProtocol(window, cooldown, settle))
+    if ray_retries < 0:
+        raise SpecError(f"--ray-retries must be >= 0, got {ray_retries}")
+    spec = backend  # the protocol (--window, --cooldown, --settle) is the backend's
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           tolerance=tolerance)
     ps = PartitionSet.from_job(job)
@@ -207,6 +212,8 @@ def profile(
     for key in keys:  # unknown keys and bad settings fail before any work starts
         config.check(ps[key].knob_space_size(len(job.freqs_mhz)), False)
     check_journal(journal)
+    run_profile = (partial(profile_ray, executor=executor, retries=ray_retries)
+                   if executor.name == "ray" else profile_local)
     if os.environ.get("RANK", "0") != "0":  # under torchrun: only rank 0 reports
         run_profile(job, journal, spec, config, keys, composition=not partitions_only)
         return
