@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -160,12 +161,11 @@ def _compose_measured(job: JobSpec, journal: str, identity: str | None,
     emulator fills it where the user opted in."""
     t0 = time.perf_counter()
     ps = PartitionSet.from_job(job)
-    fallback_spec = BackendSpec() if fill_missing == "emulator" else None
-    if fallback_spec is None:
+    if fill_missing is None:
         check_measurements(job, journal, identity, chosen)
-    with open_backend(job, fallback_spec or BackendSpec()) as emulator:
-        replay = ReplayBackend(journal, job, identity,
-                               fallback=emulator if fallback_spec else None)
+    with (open_backend(job, BackendSpec()) if fill_missing == "emulator"
+          else nullcontext()) as fallback:
+        replay = ReplayBackend(journal, job, identity, fallback=fallback)
         say(f"composing from {journal} ({replay.identity()})")
         fronts = key_frontiers({k: replay.samples(k) for k in ps.keys})
         searches = [SearchResult.from_journal(k, replay.samples(k)) for k in ps.keys]
