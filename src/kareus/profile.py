@@ -33,7 +33,7 @@ from kareus.methods import all_methods
 from kareus.partition import PartitionSet
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.spec import JobSpec
-from kareus.store import Journal
+from kareus.store import Journal, JournalLike
 
 ProfileProgress = Callable[[str, int, int], None]
 """progress(partition key or COMPOSITION, done, total)."""
@@ -83,8 +83,9 @@ def profile(job: JobSpec, journal: str, backend: BackendSpec,
                 job, spec, group.collectives, group.agree) as raw:
             be: Backend = AgreedBackend(raw, group.agree) if group.world_size > 1 else raw
             jid = store.register_job(job)
+            # without clock changes the GPU's own clock, rank 0's on every rank
             freqs = job.freqs_mhz if spec.allow_clock_changes or spec.name != "nvml" else (
-                _current_clock(raw),)
+                group.agree((_current_clock(raw),)))
             searches = []
             for p in parts:
                 report = (lambda d, n, k=p.key: progress(k, d, n)) if progress else None
@@ -93,12 +94,14 @@ def profile(job: JobSpec, journal: str, backend: BackendSpec,
             result = ProfileResult(searches)
             if composition:
                 group.agree(True)  # every rank reads the journal after rank 0's last write
-                needed, measured = _composition(ps, be, store, jid, freqs, record, progress)
+                needed, measured = measure_composition(
+                    ps, be, store, jid, freqs, record,
+                    (lambda d, n: progress(COMPOSITION, d, n)) if progress else None)
                 result.composition_needed, result.composition_measured = needed, measured
         return result
 
 
-def composition_needs(ps: PartitionSet, backend: Backend, journal: Journal, jid: str,
+def composition_needs(ps: PartitionSet, backend: Backend, journal: JournalLike, jid: str,
                       freqs_mhz: tuple[int, ...]) -> list[Need]:
     """What composing every method from ``journal``'s partition measurements asks of
     ``backend`` and the journal lacks (a dry run: nothing is measured)."""
@@ -108,7 +111,7 @@ def composition_needs(ps: PartitionSet, backend: Backend, journal: Journal, jid:
     return dry.missing
 
 
-def journal_frontiers(ps: PartitionSet, journal: Journal, jid: str, identity: str
+def journal_frontiers(ps: PartitionSet, journal: JournalLike, jid: str, identity: str
                       ) -> dict[str, dict[int, list[Any]]]:
     """Each partition's per-clock fronts from every setting ``journal`` holds of it."""
     return key_frontiers({k: [(s.knobs, s.measurement)
@@ -116,23 +119,26 @@ def journal_frontiers(ps: PartitionSet, journal: Journal, jid: str, identity: st
                           for k in ps.keys})
 
 
-def _composition(ps: PartitionSet, be: Backend, store: Journal, jid: str,
-                 freqs: tuple[int, ...], record: bool, progress: ProfileProgress | None
-                 ) -> tuple[int, int]:
-    todo = len(composition_needs(ps, be, store, jid, freqs))
+def measure_composition(ps: PartitionSet, be: Backend, journal: JournalLike, jid: str,
+                        freqs: tuple[int, ...], record: bool,
+                        report: Callable[[int, int], None] | None = None
+                        ) -> tuple[int, int]:
+    """Measure what `composition_needs` lists, journaling each number (``record``: this
+    rank writes); ``report(done, total)`` after each. Returns (needed, measured)."""
+    todo = len(composition_needs(ps, be, journal, jid, freqs))
     done = 0
 
     def tick(_need: Need) -> None:
         nonlocal done
         done += 1
-        if progress is not None:
-            progress(COMPOSITION, done, todo)
+        if report is not None:
+            report(done, todo)
 
-    if progress is not None:
-        progress(COMPOSITION, 0, todo)
-    real = JournaledBackend(be, store, jid, record=record, on_measured=tick)
+    if report is not None:
+        report(0, todo)
+    real = JournaledBackend(be, journal, jid, record=record, on_measured=tick)
     Composer(ps, real, freqs).ask_all(all_methods(), journal_frontiers(
-        ps, store, jid, be.identity()))
+        ps, journal, jid, be.identity()))
     return todo, real.measured
 
 

@@ -25,16 +25,17 @@ from datetime import timedelta
 from typing import Any, cast
 
 from kareus.backends.agreed import AgreedBackend
-from kareus.backends.base import Backend
 from kareus.backends.factory import BackendSpec, open_backend
-from kareus.backends.journaled import JournaledBackend
-from kareus.compose.options import Composer, key_frontiers
 from kareus.core import Knobs, Measurement
 from kareus.errors import KareusError, SpecError
 from kareus.executors import ExecutorSpec
-from kareus.methods import all_methods
 from kareus.partition import PartitionSet
-from kareus.profile import COMPOSITION, ProfileProgress, ProfileResult
+from kareus.profile import (
+    COMPOSITION,
+    ProfileProgress,
+    ProfileResult,
+    measure_composition,
+)
 from kareus.ray_support import import_ray
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.spec import JobSpec, validate_job
@@ -139,7 +140,8 @@ class RankActor:
                                     else job.freqs_mhz)
                 ps = PartitionSet.from_job(job)
                 if task.key == COMPOSITION:
-                    needed, measured = _compose(ps, be, journal, freqs, report)
+                    needed, measured = measure_composition(ps, be, journal, journal.jid,
+                                                           freqs, record, report)
                     return {"needed": needed, "measured": measured} if record else None
                 result = run_search(ps[task.key], be, freqs, task.config, journal,
                                     journal.jid, progress=report, record=record)
@@ -185,26 +187,6 @@ def _agree(group: Any, die_after: int | None) -> Callable[[Measurement], Measure
         return group.agree(m)
 
     return agree
-
-
-def _compose(ps: PartitionSet, be: Backend, journal: ProxyJournal, freqs: tuple[int, ...],
-             report: Callable[[int, int], None] | None) -> tuple[int, int]:
-    """`kareus.profile`'s composition steps on a proxy journal; rank 0 (``report``)
-    records. Returns (needed, measured)."""
-
-    def ask(b: JournaledBackend) -> JournaledBackend:
-        fronts = {k: [(s.knobs, s.measurement) for s in journal.samples(
-            journal.jid, k, be.identity())] for k in ps.keys}
-        Composer(ps, b, freqs).ask_all(all_methods(), key_frontiers(fronts))
-        return b
-
-    todo = len(ask(JournaledBackend(be, journal, journal.jid, dry_run=True)).missing)
-    done = itertools.count(1)
-    if report is not None:
-        report(0, todo)
-    real = ask(JournaledBackend(be, journal, journal.jid, record=report is not None,
-                                on_measured=report and (lambda _: report(next(done), todo))))
-    return todo, real.measured
 
 
 def profile_ray(job: JobSpec, journal: str, backend: BackendSpec,
