@@ -9,43 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kareus.backends.base import Backend
-from kareus.core import Knobs, Measurement, MeasurementProtocol
-from kareus.hardware import GPUSpec
+from kareus.backends.base import Backend, WrappedBackend
+from kareus.core import Knobs, Measurement
 from kareus.partition import Partition
 from kareus.workload.ops import Op
 
 Agree = Callable[[Measurement], Measurement]
 
 
-class AgreedBackend:
+class AgreedBackend(WrappedBackend):
     def __init__(self, inner: Backend, agree: Agree) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.agree = agree
-        self.name = inner.name
-
-    @property
-    def gpu(self) -> GPUSpec:
-        return self.inner.gpu
-
-    @property
-    def static_power_w(self) -> float:
-        return self.inner.static_power_w
-
-    @property
-    def protocol(self) -> MeasurementProtocol:
-        return self.inner.protocol
-
-    @property
-    def default_sms(self) -> int:
-        return self.inner.default_sms
-
-    @property
-    def supported_freqs_mhz(self) -> tuple[int, ...]:
-        return self.inner.supported_freqs_mhz
-
-    def identity(self) -> str:
-        return self.inner.identity()
 
     def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
         return self.agree(self.inner.measure(partition, knobs))

@@ -78,6 +78,38 @@ class CostModel(Protocol):
                     ) -> Measurement: ...
 
 
+class WrappedBackend:
+    """Base of a Backend that wraps another (journal first, rank 0's numbers, ...): what
+    describes the GPU and how it is measured is the inner backend's."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    @property
+    def gpu(self) -> GPUSpec:
+        return self.inner.gpu
+
+    @property
+    def static_power_w(self) -> float:
+        return self.inner.static_power_w
+
+    @property
+    def protocol(self) -> MeasurementProtocol:
+        return self.inner.protocol
+
+    @property
+    def default_sms(self) -> int:
+        return self.inner.default_sms
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[int, ...]:
+        return self.inner.supported_freqs_mhz
+
+    def identity(self) -> str:
+        return self.inner.identity()
+
+
 def backend_info(backend: Backend) -> dict[str, object]:
     """What a journal stores of a backend so that a replay can stand in for it."""
     pr = backend.protocol

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kareus.backends.base import Backend, backend_info
+from kareus.backends.base import Backend, WrappedBackend, backend_info
 from kareus.backends.needs import PLACEHOLDER, Need
-from kareus.core import Knobs, Measurement, MeasurementProtocol
-from kareus.hardware import GPUSpec
+from kareus.core import Knobs, Measurement
 from kareus.partition import Partition
 from kareus.store import JournalLike
 from kareus.workload.ops import Op, ops_signature
@@ -27,16 +26,15 @@ MeasuredHook = Callable[[Need], None]
 """Called after each measurement taken (not found in the journal)."""
 
 
-class JournaledBackend:
+class JournaledBackend(WrappedBackend):
     """``inner``'s measurements, through ``journal`` under job ``job_id``."""
 
     def __init__(self, inner: Backend, journal: JournalLike, job_id: str, *,
                  record: bool = True, dry_run: bool = False,
                  on_measured: MeasuredHook | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.journal = journal
         self.job_id = job_id
-        self.name = inner.name
         self.record = record and not dry_run
         self.dry_run = dry_run
         self.on_measured = on_measured
@@ -48,26 +46,6 @@ class JournaledBackend:
         self.measured = 0
         """Measurements taken (not found in the journal) by this wrapper."""
         self._missing: dict[Need, None] = {}
-
-    @property
-    def gpu(self) -> GPUSpec:
-        return self.inner.gpu
-
-    @property
-    def static_power_w(self) -> float:
-        return self.inner.static_power_w
-
-    @property
-    def protocol(self) -> MeasurementProtocol:
-        return self.inner.protocol
-
-    @property
-    def default_sms(self) -> int:
-        return self.inner.default_sms
-
-    @property
-    def supported_freqs_mhz(self) -> tuple[int, ...]:
-        return self.inner.supported_freqs_mhz
 
     def identity(self) -> str:
         return self._identity
