@@ -161,6 +161,12 @@ def test_out_is_refused_unless_empty_or_forced(tmp_path):
     (tmp_path / "out" / "keep.txt").write_text("x")
     r = _import(tmp_path, src, "--static-power-w", "50")
     assert r.code == 2 and "not empty" in r.err
+    # --force never replaces a directory that is not an earlier import's output
+    r = _import(tmp_path, src, "--static-power-w", "50", "--force")
+    assert r.code == 2 and "not an earlier import-perseus output" in r.err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+    (tmp_path / "out" / "keep.txt").unlink()
+    assert _import(tmp_path, src, "--static-power-w", "50").code == 0
     r = _import(tmp_path, src, "--static-power-w", "50", "--force")
     assert r.code == 0, r.err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
