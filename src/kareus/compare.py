@@ -15,6 +15,14 @@ from kareus.optimize import optimize
 from kareus.presets import JOB_PRESETS
 from kareus.report import frontier_figure
 from kareus.search.loop import SearchConfig
+from kareus.sensitivity import (
+    HEADLINE_METHOD,
+    SensitivityCase,
+    SensitivitySpec,
+    range_note,
+    run_sensitivity,
+    sensitivity_markdown,
+)
 from kareus.sources import build_job
 
 SUITES = {"kareus": [f"kareus-{i}" for i in range(1, 11)]}
@@ -30,15 +38,24 @@ PAPER = {
 METRIC_COLUMNS = ("iso_time_energy_reduction", "iso_energy_time_reduction",
                   "max_throughput_time_reduction_vs_megatron",
                   "max_throughput_energy_reduction_vs_megatron")
+HEADS = ("iso-time energy vs Perseus", "iso-energy time vs Perseus",
+         "max-throughput time vs Megatron", "max-throughput energy vs Megatron")
 
 
 def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
               noise: float = 0.0, workers: int | None = None,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              log: Callable[[str], None] | None = None,
+              sensitivity: SensitivitySpec | None = None) -> dict[str, Any]:
+    """``sensitivity``: also the headline's ranges over the least-known emulator
+    constants (kareus.sensitivity), in compare.json's ``sensitivity`` and compare.md."""
     from kareus.backends.factory import BackendSpec
 
     if suite not in SUITES:
         raise KareusError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    if sensitivity is not None:
+        sensitivity.check(SUITES[suite])
+    ranged = sensitivity.chosen(SUITES[suite]) if sensitivity is not None else []
+    cases: list[SensitivityCase] = []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     configs = []
@@ -58,9 +75,15 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
             "metrics": {m: {k: r.metrics.get(m, {}).get(k) for k in METRIC_COLUMNS}
                         for m in r.plans},
             "validation_max_rel_error": r.validation_max_error,
+            "validation": r.validation(),
         })
+        if preset in ranged:
+            cases.append(SensitivityCase.from_searches(
+                preset, job, r.searches, r.metrics.get(HEADLINE_METHOD, {})))
     doc = {"schema_version": SCHEMA_VERSION, "suite": suite, "budget": budget, "seed": seed,
-           "noise": noise, "configs": configs, "paper_headline": PAPER}
+           "noise": noise, "configs": configs, "paper_headline": PAPER,
+           "sensitivity": None if sensitivity is None else run_sensitivity(
+               cases, METRIC_COLUMNS, sensitivity.constants, workers, log)}
     (out / "compare.json").write_text(json.dumps(doc, indent=1))
     (out / "compare.md").write_text(compare_markdown(doc))
     return doc
@@ -71,13 +94,14 @@ def _pct(x: float | None) -> str:
 
 
 def compare_markdown(doc: dict[str, Any]) -> str:
-    heads = ["iso-time energy vs Perseus", "iso-energy time vs Perseus",
-             "max-throughput time vs Megatron", "max-throughput energy vs Megatron"]
+    sens = doc.get("sensitivity")
     lines = [f"# Kareus suite `{doc['suite']}` (emulator, budget {doc['budget']}, seed "
              f"{doc['seed']})", "",
-             "Reductions (higher is better), one row per workload and method.", "",
-             "| config | job | method | " + " | ".join(heads) + " |",
-             "|---|---|---|" + "---|" * len(heads)]
+             "Reductions (higher is better), one row per workload and method."
+             + (" Kareus's cells: [min..max] over the emulator's least-known constants "
+                "(section below)." if sens else ""), "",
+             "| config | job | method | " + " | ".join(HEADS) + " |",
+             "|---|---|---|" + "---|" * len(HEADS)]
     names = [m.name for m in all_methods() if m.name != ISO_REFERENCE]
     best: dict[str, dict[str, float | None]] = {m: dict.fromkeys(METRIC_COLUMNS)
                                                for m in names}
@@ -86,16 +110,21 @@ def compare_markdown(doc: dict[str, Any]) -> str:
             cells = []
             for k in METRIC_COLUMNS:
                 v = c["metrics"][m][k]
-                cells.append(_pct(v))
+                cells.append(_pct(v) + (range_note(sens, c["preset"], k)
+                                        if m == HEADLINE_METHOD else ""))
                 b = best[m][k]
                 if v is not None and (b is None or v > b):
                     best[m][k] = v
             lines.append(f"| {c['preset']} | {c['job']} | {display_name(m)} | "
                          + " | ".join(cells) + " |")
-    lines += ["", "| best over the suite | " + " | ".join(heads) + " |",
-              "|---|" + "---|" * len(heads)]
-    lines += [f"| {display_name(m)} | " + " | ".join(_pct(best[m][k]) for k in METRIC_COLUMNS)
-              + " |" for m in names]
+    lines += ["", "| best over the suite | " + " | ".join(HEADS) + " |",
+              "|---|" + "---|" * len(HEADS)]
+    whole = sens is not None and len(sens["presets"]) == len(doc["configs"])
+    lines += [f"| {display_name(m)} | " + " | ".join(
+        _pct(best[m][k]) + (range_note(sens, None, k) if whole and m == HEADLINE_METHOD
+                            else "") for k in METRIC_COLUMNS) + " |" for m in names]
     lines += ["| Kareus paper (up to) | " + " | ".join(_pct(doc["paper_headline"][k])
                                                       for k in METRIC_COLUMNS) + " |", ""]
+    if sens:
+        lines += sensitivity_markdown(sens, METRIC_COLUMNS, HEADS)
     return "\n".join(lines)

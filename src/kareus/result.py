@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,29 @@ class OptimizeResult:
         text = json.dumps(doc, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
+    def validation(self) -> dict[str, dict[str, float]]:
+        """Per method: the largest and the median relative error (composed against the
+        whole-iteration simulation) of time and of energy over its frontier plans, and the
+        signed median (positive: the simulation took more than composed). Empty where no
+        plan was simulated."""
+        out: dict[str, dict[str, float]] = {}
+        for method, plans in self.plans.items():
+            pairs = [(p.simulated_time_s / p.time_s - 1, p.simulated_energy_j / p.energy_j - 1)
+                     for p in plans
+                     if p.simulated_time_s is not None and p.simulated_energy_j is not None]
+            if not pairs:
+                continue
+            dt, de = [t for t, _ in pairs], [e for _, e in pairs]
+            out[method] = {
+                "plans": len(pairs),
+                "time_max_rel_error": max(abs(x) for x in dt),
+                "time_median_rel_error": statistics.median(abs(x) for x in dt),
+                "time_median_signed": statistics.median(dt),
+                "energy_max_rel_error": max(abs(x) for x in de),
+                "energy_median_rel_error": statistics.median(abs(x) for x in de),
+                "energy_median_signed": statistics.median(de)}
+        return out
+
     def frontier_points(self) -> dict[str, list[tuple[float, float]]]:
         return {m: [(p.time_s, p.energy_j) for p in ps] for m, ps in self.plans.items()}
 
@@ -66,6 +90,7 @@ class OptimizeResult:
                 for m, ps in self.plans.items()},
             "metrics": self.metrics,
             "validation_max_rel_error": self.validation_max_error,
+            "validation": self.validation(),
             "measurements": self.sources,
             "searches": [{k: getattr(s, k) for k in _SEARCH_FIELDS}
                          | {"samples": len(s.samples), "frontier": len(s.frontier)}

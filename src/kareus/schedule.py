@@ -46,7 +46,8 @@ class Timing:
 
 def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], float],
              send_activation_s: list[float], send_grad_s: list[float],
-             end_s: list[float]) -> Timing:
+             end_s: list[float],
+             duration_at: Callable[[InstructionId, float], float] | None = None) -> Timing:
     """List-schedule every stage's 1F1B order. A forward waits for the previous stage's
     forward of its microbatch plus ``send_activation_s[s - 1]``; a backward for the next
     stage's backward plus ``send_grad_s[s + 1]``; a stage ends ``end_s[s]`` after its last
@@ -55,6 +56,10 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
     A transfer is one batched isend/irecv (Megatron's 1F1B): the receiver waits for it and
     so does the sender, whose next instruction starts when its send is done. Each transfer
     is counted once on every path: as the delay to the receiver, or as the sender's wait.
+
+    ``duration_at(iid, start)``, if given, replaces ``duration``: a simulation whose
+    instructions depend on what their stage did before (the power limiter's state) learns
+    when each starts; instructions of one stage are asked in their order.
     """
     orders = [one_f_one_b(pp, microbatches, s) for s in range(pp)]
     start: dict[InstructionId, float] = {}
@@ -80,7 +85,8 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
                     break
                 iid = (s, m, d)
                 start[iid] = max(free[s], ready)
-                finish[iid] = start[iid] + duration(iid)
+                finish[iid] = start[iid] + (duration(iid) if duration_at is None
+                                            else duration_at(iid, start[iid]))
                 free[s] = finish[iid] + sends_after(s, d, pp, send_activation_s, send_grad_s)
                 pos[s] += 1
                 remaining -= 1

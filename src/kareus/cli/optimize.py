@@ -21,6 +21,7 @@ from kareus.profile import profile as run_profile
 from kareus.result import OptimizeResult
 from kareus.resultdir import ResultDir
 from kareus.search.loop import SearchConfig
+from kareus.sensitivity import CONSTANTS, SensitivitySpec
 from kareus.spec import JobSpec
 
 
@@ -117,12 +118,28 @@ def compare(
     workers: Annotated[Optional[int], typer.Option(
         "--workers", help="Local processes (default: one per partition, up to the "
                           "CPUs).")] = None,
+    sensitivity: Annotated[bool, typer.Option(
+        "--sensitivity", help="Also give Kareus's headline metrics as [min / median / max] "
+                              "over the plausible range of the emulator's least-known "
+                              "constants, one at a time at each end (the search is not "
+                              "rerun): compare.md and compare.json's `sensitivity`. Adds "
+                              "about 9 minutes to the ten presets' ~6 on 2 cores.",
+        metavar="")] = False,
+    sensitivity_presets: Annotated[Optional[str], typer.Option(
+        "--sensitivity-presets", help="With --sensitivity: comma-separated presets of the "
+                                      "suite to range (default: all).")] = None,
+    sensitivity_constants: Annotated[Optional[str], typer.Option(
+        "--sensitivity-constants",
+        help="With --sensitivity: comma-separated constants to vary (default: all: "
+             + ", ".join(c.name for c in CONSTANTS) + ").")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every preset of a suite through `optimize` and compare the methods."""
     ExecutorSpec(workers=workers).check()
+    spec = SensitivitySpec.parse(sensitivity, sensitivity_presets, sensitivity_constants)
     doc = run_suite(suite, out, budget, seed, noise, workers,
-                    log=None if json_out else (lambda m: stderr_console().log(m)))
+                    log=None if json_out else (lambda m: stderr_console().log(m)),
+                    sensitivity=spec)
     if json_out:
         print_json(doc)
         return

@@ -7,11 +7,12 @@ error; tests bound every error (tests/backends/emulator/test_anchors.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.backends.emulator.params import load_params
 from kareus.execution import ExecutionPlan
 from kareus.hardware import get_gpu
 from kareus.partition import PartitionSet
@@ -40,11 +41,16 @@ class Anchor:
                 "rel_error": self.rel_error}
 
 
-def _backend(gpu: str, calibration: str | Path | None) -> EmulatorBackend:
+def _backend(gpu: str, calibration: str | Path | None, plain_cublas: bool = False
+             ) -> EmulatorBackend:
+    """``plain_cublas``: GEMM tiles planned for the whole GPU even when a collective holds
+    some of its SMs, as in the published interference measurements (anchors §3)."""
     spec = get_gpu(gpu)
     # a calibration file fitted for another GPU must not be applied to this one
-    return EmulatorBackend(gpu=spec, calibration=calibration if _for_gpu(calibration, spec.name)
-                           else None)
+    params = load_params(spec, calibration if _for_gpu(calibration, spec.name) else None)
+    if plain_cublas:
+        params = replace(params, gemm_tile_plan_sms=spec.sm_count)
+    return EmulatorBackend(gpu=spec, params=params)
 
 
 def _for_gpu(calibration: str | Path | None, gpu: str) -> bool:
@@ -62,12 +68,38 @@ def gemm_anchor(calibration=None) -> list[Anchor]:
     b = _backend("A100-40GB", calibration)
     op = gemm("gemm_8192", 8192, 8192, 8192)
     m = b.predict_ops((op,), 1410)
+    ph = b.physics
+    unthrottled = ph.compute_rate(op, 1410, ph.n_sm, ph.hbm_bw).duration_s  # no power limit
+    h100 = _backend("H100-SXM", calibration)
+    src = "anchors §1 (mamf-finder table)"
     return [
         Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, throughput", "anchors §1 (random inputs)",
                "TFLOP/s", 258.0, op.flops / m.time_s / 1e12),
         Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, power", "anchors §1 (at the 400 W limit)",
                "W", 400.0, m.avg_power_w),
+        Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, all-zero inputs (no throttling)",
+               "anchors §1", "TFLOP/s", 295.0, op.flops / unthrottled / 1e12),
+        Anchor("A100 bf16 GEMM, best of a shape sweep (MAMF)", src, "TFLOP/s", 270.0,
+               _best_of_sweep(b, 1410)),
+        Anchor("H100 bf16 GEMM, best of a shape sweep (MAMF)", src, "TFLOP/s", 793.0,
+               _best_of_sweep(h100, 1980)),
     ]
+
+
+MAMF_DIMS = (1024, 2048, 4096, 8192, 12288, 16384)
+MAMF_K = (4096, 8192, 16384)
+
+
+def _best_of_sweep(b: EmulatorBackend, freq_mhz: int) -> float:
+    """Highest emulated TFLOP/s over m, n in MAMF_DIMS and k in MAMF_K (power-limited), as
+    the maximum-achievable-matmul-FLOPS finder searches shapes for the best."""
+    best = 0.0
+    for m in MAMF_DIMS:
+        for n in MAMF_DIMS:
+            for k in MAMF_K:
+                op = gemm("gemm", m, n, k)
+                best = max(best, op.flops / b.predict_ops((op,), freq_mhz).time_s / 1e12)
+    return best
 
 
 def memory_anchor(calibration=None) -> list[Anchor]:
@@ -124,6 +156,11 @@ def nccl_anchor(calibration=None) -> list[Anchor]:
         m = b.predict_ops((rs,), 1410, sms=ctas)
         out.append(Anchor(f"A100 8-GPU ReduceScatter 32 MiB, {ctas} CTAs", "anchors §3",
                           "GB/s algbw", published, rs.bytes_ / m.time_s / 1e9))
+    ar = Collective("ar_1GiB", "all_reduce", "tp", 8, float(1024 * MiB))
+    m = b.predict_ops((ar,), 1410, sms=24)
+    out.append(Anchor("A100 8-GPU AllReduce 1 GiB, 24 CTAs (NCCL default), bus bandwidth",
+                      "anchors §1 (nccl-tests, 208-240: the middle)", "GB/s busbw", 224.0,
+                      b.physics.coll_bus_bytes(ar) / m.time_s / 1e9))
     return out
 
 
@@ -137,7 +174,7 @@ def comm_power_anchor(calibration=None) -> list[Anchor]:
 
 def overlap_anchor(calibration=None) -> list[Anchor]:
     out = []
-    h100 = _backend("H100-SXM", calibration)
+    h100 = _loop_backend("H100-SXM", calibration)
     # 12 x 11 tiles of 128 x 256: exactly 132 CTAs, one wave
     g = gemm("gemm_132_ctas", 12 * 128, 11 * 256, 8192)
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
@@ -145,7 +182,7 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
     gemm_time = _compute_stream_time(h100, (g,), ag, 24)
     out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "anchors §3",
                       "x", 2.0, gemm_time / alone.time_s))
-    h200 = _backend("H200", calibration)
+    h200 = _loop_backend("H200", calibration)
     g = gemm("gemm_8192x3072x3072", 8192, 3072, 3072)
     alone_s = h200.predict_ops((g,), 1980).time_s
     sr = Collective("sendrecv", "send_recv", "pp", 2, float(256 * MiB))
@@ -156,6 +193,15 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
         out.append(Anchor(f"H200 8192x3072x3072 GEMM under {name}, slowdown", "anchors §3",
                           "x", published, t / alone_s))
     return out
+
+
+def _loop_backend(gpu: str, calibration: str | Path | None) -> EmulatorBackend:
+    """The published interference measurements (anchors §3) time a GEMM in a loop, alone
+    and beside a collective that runs throughout: each loop's intervals are all alike and
+    far shorter than the power limiter's time constant, so its steady clock is the one at
+    which that interval's power fits the limit, as the memoryless limiter sets it."""
+    b = _backend(gpu, calibration, plain_cublas=True)
+    return EmulatorBackend(gpu=b.gpu, params=replace(b.params, limiter_tau_s=0.0))
 
 
 def _compute_stream_time(b: EmulatorBackend, ops, coll: Collective, sms: int) -> float:

@@ -63,7 +63,7 @@ class EmulatorBackend:
         self.seed = seed
         self._repeats: dict[str, int] = {}
         self.protocol = protocol or MeasurementProtocol()
-        self.static_power_w: float = self.gpu.static_power_w
+        self.static_power_w: float = self.gpu.static_power_w * self.params.static_power_scale
         self.physics = GPUPhysics(self.gpu, self.params)
         groups = internode_groups(job) if job is not None else frozenset()
         self.timeline = Timeline(self.physics, self.static_power_w, self.gpu.tdp_w, groups)
@@ -105,9 +105,9 @@ class EmulatorBackend:
                launch)
         hit = self._cache.get(key)
         if hit is None:
-            r = self.timeline.run(partition.compute_ops, knobs.freq_mhz,
-                                  side=partition.collective, side_sms=knobs.sms,
-                                  launch_index=launch)
+            r = self.timeline.steady(partition.compute_ops, knobs.freq_mhz,
+                                     side=partition.collective, side_sms=knobs.sms,
+                                     launch_index=launch)
             hit = self._cache[key] = self._to_measurement(r)
         return hit
 
@@ -119,7 +119,7 @@ class EmulatorBackend:
         key = ("s", tuple(ops), freq_mhz, sms)
         hit = self._cache.get(key)
         if hit is None:
-            r = self.timeline.run(tuple(ops), freq_mhz, blocking_sms=sms)
+            r = self.timeline.steady(tuple(ops), freq_mhz, blocking_sms=sms)
             hit = self._cache[key] = self._to_measurement(r)
         return hit
 

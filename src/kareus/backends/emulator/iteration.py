@@ -1,9 +1,18 @@
-"""Whole-iteration simulation: a 1F1B pipeline of instructions, each built from its steps.
+"""Whole-iteration simulation: a 1F1B pipeline of instructions, each one continuous run.
 
-An instruction's cost is that of its steps back to back (outside ops, the solo first
-segment, the partitions with the plan's knobs at the instruction's clock, the exposed last
+The ground truth that validates composed plans, so it does not add up partition
+measurements: every instruction runs as one continuous two-stream timeline over all its
+steps (outside ops, the solo first segment, every layer's partitions with the plan's knobs
+at the instruction's clock and their collectives on the side stream, the exposed last
 collective); with ``overlap=False`` (Megatron-LM) the microbatch is not split and every
-collective blocks the compute stream. Stages follow the 1F1B order (warm-up forwards,
+collective blocks the compute stream. Each stage's GPU carries its power limiter's state
+(kareus.backends.emulator.timeline) from step to step, through the waits between
+instructions and across the clock changes between them. Composition instead adds up
+steady-state measurements of each partition taken alone: where the limiter's memory spans
+partitions (a GEMM-heavy partition beside light ones is throttled less than alone), the
+two differ, and that difference is what the validation reports.
+
+Stages follow the 1F1B order (warm-up forwards,
 steady one-forward-one-backward, cool-down backwards); a forward waits for the previous
 stage's forward of the same microbatch plus the activation transfer, a backward for the
 next stage's backward plus the gradient transfer. After its last backward a stage runs
@@ -15,10 +24,13 @@ sum of dynamic energies (every GPU of a stage does the same work) + GPUs x time 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from kareus import SCHEMA_VERSION
 from kareus.backends.emulator.backend import EmulatorBackend
+from kareus.backends.emulator.timeline import LimiterState, RunResult
 from kareus.core import ZERO, Knobs, Measurement
 from kareus.execution import ExecutionPlan
 from kareus.partition import PartitionSet, Step
@@ -76,6 +88,8 @@ class IterationSimulator:
         self.job = partitions.job
         self.backend = backend
         self._instr: dict = {}
+        self._runs: dict = {}
+        self._plans_of_steps: dict = {}
 
     # One instruction ----------------------------------------------------------------------
 
@@ -138,6 +152,82 @@ class IterationSimulator:
                 total[i] = total[i] + self._fixed(step, freq_mhz)
         return total[0] + total[1].scaled(layers) + total[2]
 
+    # Continuous instructions ----------------------------------------------------------------
+
+    def _continuous(self, plan: ExecutionPlan, iid: tuple[int, int, str], freq_mhz: int,
+                    state: LimiterState) -> Measurement:
+        """Instruction ``iid`` as one timeline from ``state`` (updated to its end state)."""
+        stage, microbatch, direction = iid
+        if plan.runs_sequential(stage, direction, microbatch):
+            config: tuple = ("seq", stage, direction)
+        else:
+            config = ("ovl", stage, direction,
+                      self._knobs(plan, stage, direction, freq_mhz, iid), plan.default_sms)
+        t = e = 0.0
+        for step_key, run in self._step_runs(config, freq_mhz):
+            r = self._step(step_key, run, freq_mhz, state)
+            t, e = t + r.time_s, e + r.energy_j
+        return Measurement.from_time_energy(t, e, self.backend.static_power_w,
+                                            float(freq_mhz))
+
+    def _step(self, step_key: tuple, run: Callable[..., RunResult], f: int,
+              state: LimiterState) -> RunResult:
+        """One step from ``state``, updating it. The state is snapped at step boundaries
+        (average power to 0.5 W, the control tick's phase to a tenth of a tick), so that
+        the same step from nearly the same state is simulated once: a layer's partitions
+        repeat layer after layer from states that converge."""
+        lim = self.backend.timeline.limiter
+        if lim is not None:
+            state.avg_power_w = round(state.avg_power_w * 2) / 2
+            state.since_tick_s = round(state.since_tick_s / lim.tick_s * 10) * lim.tick_s / 10
+        key = (step_key, f, state.avg_power_w, state.cap_mhz, state.since_tick_s)
+        hit = self._runs.get(key)
+        if hit is None:
+            st = LimiterState(state.avg_power_w, state.cap_mhz, state.since_tick_s)
+            hit = self._runs[key] = (run(state=st), st)
+        r, end = hit
+        state.avg_power_w, state.cap_mhz, state.since_tick_s = (
+            end.avg_power_w, end.cap_mhz, end.since_tick_s)
+        return r
+
+    def _step_runs(self, config: tuple, f: int
+                   ) -> list[tuple[tuple, Callable[..., RunResult]]]:
+        """The instruction's steps as (identity, timeline run taking the state), in order."""
+        cached = self._plans_of_steps.get((config, f))
+        if cached is not None:
+            return cached
+        tl, b = self.backend.timeline, self.backend
+        if config[0] == "seq":
+            _, stage, direction = config
+            pre, layers, post = self.ps.sequential_steps(stage, direction)
+            steps = [*pre, *list(self.ps.sequential_layer[direction]) * layers, *post]
+            sms = b.default_sms
+        else:
+            _, stage, direction, knobs, default_sms = config
+            steps = list(self.ps.layouts[(stage, direction)].steps)
+            sms = default_sms or b.default_sms
+            chosen = {k: (n, slot) for k, n, slot in knobs}
+        runs: list[tuple[tuple, Callable[..., RunResult]]] = []
+        for step in steps:
+            if step.kind == "partition":
+                assert step.key is not None
+                p = self.ps[step.key]
+                n, slot = chosen[step.key]
+                runs.append((("p", p.key, n, slot), partial(
+                    tl.run, p.compute_ops, f, side=p.collective, side_sms=n,
+                    launch_index=p.launch_index(slot))))
+            elif step.kind == "overlap":
+                assert step.unit is not None
+                u = step.unit
+                runs.append((("u", u.key, sms), partial(
+                    tl.run, u.compute_ops, f, side=u.collective, side_sms=sms,
+                    launch_index=u.launch_index(u.slots[0].name))))
+            else:
+                runs.append((("o", id(step.ops), sms), partial(
+                    tl.run, step.ops, f, blocking_sms=sms)))
+        self._plans_of_steps[(config, f)] = runs
+        return runs
+
     # The pipeline ---------------------------------------------------------------------------
 
     def run(self, plan: ExecutionPlan, with_instructions: bool = False) -> IterationResult:
@@ -151,20 +241,25 @@ class IterationSimulator:
         ends = [b.predict_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
                 for g in stages]
         costs: dict = {}
+        states = [b.timeline.idle_state() for _ in range(pp)]
+        free_at = [0.0] * pp
 
-        def duration(iid) -> float:
+        def duration_at(iid, start: float) -> float:
             s, m, d = iid
-            costs[iid] = self.instruction(plan, s, d, plan.freq(s, m, d), m)
+            f = plan.freq(s, m, d)
+            b.timeline.rest(states[s], start - free_at[s], f)
+            costs[iid] = self._continuous(plan, iid, f, states[s])
+            free_at[s] = start + costs[iid].time_s
             return costs[iid].time_s
 
         def send(s: int, name: str) -> float:
             m = sends[s].get(name)
             return m.time_s if m is not None else 0.0
 
-        timing = schedule(pp, mbs, duration,
+        timing = schedule(pp, mbs, lambda iid: 0.0,
                           [send(s, "send_activation") for s in range(pp)],
                           [send(s, "send_grad") for s in range(pp)],
-                          [e.time_s for e in ends])
+                          [e.time_s for e in ends], duration_at=duration_at)
         reports = [StageReport(s) for s in range(pp)]
         for s in range(pp):
             rep = reports[s]

@@ -20,16 +20,29 @@ from kareus.jsonfile import read_json_object
 MEMORY_SM_SHARE = ((0.0, 0.0), (0.1, 0.25), (0.2, 0.40), (0.3, 0.50), (0.5, 0.70),
                    (0.7, 0.85), (0.9, 0.95), (1.0, 1.0))
 
+# The A100 link saturation (220 GB/s, `coll_link_busbw_bytes_s`) over the catalog's achieved
+# 8-GPU AllReduce bus bandwidth (224 GB/s, the middle of the public 208-240): other GPUs'
+# saturation is their catalog value times the same ratio (docs/emulator.md).
+LINK_OF_ACHIEVED_ALLREDUCE = 220.0 / 224.0
+
 
 @dataclass(frozen=True)
 class EmulatorParams:
     # Compute kernels ----------------------------------------------------------------------
-    gemm_tile_m: int = 128
-    gemm_tile_n: int = 256
-    """cuBLAS/CUTLASS large-tile shape; each tile is one CTA on one SM (wave quantisation)."""
-    gemm_efficiency: float = 0.95
-    """Fraction of peak tensor throughput at the set clock: 295 of 312 TFLOP/s for an A100
-    bf16 GEMM on all-zero inputs, i.e. without power throttling (anchors §1)."""
+    gemm_efficiency: float = 0.96
+    """Fraction of peak tensor throughput at the set clock of the best GEMM tile over a long
+    reduction (gemm.py: eff = this x tile reuse x k / (k + gemm_k0)). Solved so an A100
+    bf16 8192^3 GEMM on all-zero inputs, i.e. without power throttling, runs at 295 of 312
+    TFLOP/s (anchors §1): 0.96 x 8192 / (8192 + 128) x 19 waves' 0.998 fill = 0.944."""
+    gemm_k0: float = 128.0
+    """Prologue + epilogue of one tile in units of reduction length: eff ~ k / (k + k0).
+    Inferred (docs/emulator.md, "GEMM tiles"): a 3-4 stage pipeline of 32-64 deep k-blocks
+    to fill, and the output tile to write, before and after the mainloop."""
+    gemm_tile_plan_sms: int = 0
+    """SM count cuBLAS's tile heuristic plans for. 0: the SMs the GEMM actually gets
+    (cuBLASLt's SM-count target set to what a collective leaves, as a system that
+    partitions SMs does); N > 0: always N (plain cuBLAS plans for the whole GPU, as in the
+    published interference measurements, anchors §3)."""
     attention_efficiency: float = 0.62
     """Flash attention forward, fraction of peak (FlashAttention-2 on A100, ~190 TFLOP/s)."""
     attention_bwd_efficiency: float = 0.50
@@ -43,17 +56,22 @@ class EmulatorParams:
     """GPU-side gap between two back-to-back kernels on one stream."""
 
     # Collectives ---------------------------------------------------------------------------
-    coll_cta_busbw_bytes_s: float = 12.6e9
-    """Bus bandwidth one NCCL channel (CTA) moves at max clock. Fit of the 8-GPU A100
-    ReduceScatter rows (anchors §3): algorithm bandwidth ((n b)^-6 + B^-6)^(-1/6) with
-    b = 14.4 GB/s, B = 236 GB/s plus 23 us latency fits all six points within 1.8%;
-    bus = algorithm x 7/8."""
-    coll_link_busbw_bytes_s: float = 206.5e9
-    """Saturation bus bandwidth of the NVLink fabric (same fit, B x 7/8)."""
+    coll_cta_busbw_bytes_s: float = 12.8e9
+    """Bus bandwidth one NCCL channel (CTA) moves at max clock. Fit of the six 8-GPU A100
+    ReduceScatter points (anchors §3) with the link saturation fixed at 220 GB/s (below):
+    bus bandwidth ((n b)^-6 + B^-6)^(-1/6) with b = 12.8 GB/s plus 24.9 us latency fits
+    them within 2.6% (bus = algorithm x 7/8)."""
+    coll_link_busbw_bytes_s: float = 220e9
+    """Saturation bus bandwidth of the NVLink fabric (docs/emulator.md, "Collective
+    saturation"). Public achieved 8-GPU A100 AllReduce bus bandwidth (nccl-tests) is
+    208-240 GB/s (anchors §1), so the saturation is at least 208; the ReduceScatter points
+    bound it from above (re-fitting b and the latency for each value, they stay within 2.6%
+    up to 220 GB/s, 3.1% at 224, 4.1% at 231). 220 is that upper end; an emulated 1 GiB
+    AllReduce on NCCL's 24 default channels then reaches 214 GB/s, inside the range."""
     coll_smoothness: float = 6.0
     """Exponent p of the smooth minimum between CTA-limited and link-limited bandwidth."""
-    coll_step_latency_s: float = 23e-6 / 7
-    """Latency per ring step (the fit's 23 us over the 7 steps of an 8-GPU reduce-scatter;
+    coll_step_latency_s: float = 24.9e-6 / 7
+    """Latency per ring step (the fit's 24.9 us over the 7 steps of an 8-GPU reduce-scatter;
     an all-reduce has 2(n-1) steps). NCCL's own base latencies are 6.6-14 us (anchors §3)."""
     coll_clock_exponent: float = 0.6
     """Per-CTA rate ~ (f / f_max)^g. No public data; anchors §3 bounds g to 0.5..1."""
@@ -65,10 +83,22 @@ class EmulatorParams:
     `nccl_channels` (what NCCL picks inside an NVSwitch node, anchors §3)."""
     p2p_latency_s: float = 10e-6
 
+    # Interference beyond SM loss -----------------------------------------------------------
+    interference_coefficient: float = 0.25
+    """c in the compute slowdown 1 + c (x / BW_hbm)^e beside a collective moving x HBM
+    bytes/s: its traffic queues at the L2 and memory controllers and stalls the kernel's
+    loads. Fitted to the H200 GEMM under SendRecv and AllGather (anchors §3); used for
+    every GPU without its own fit. H100: 0.75 (`_architecture_params`, docs/emulator.md)."""
+    interference_exponent: float = 0.5
+    """e in the same slowdown (< 1: the first bytes of collective traffic cost the most;
+    same H200 fit)."""
+
     # Power -----------------------------------------------------------------------------------
     sm_dynamic_power_w: float = 385.0
     """Dynamic power of all SMs running tensor-core GEMM at max clock and max voltage.
-    Solved so an A100 bf16 GEMM at 1410 MHz throttles at 400 W to ~258 TFLOP/s (anchors §1)."""
+    Solved so an A100 bf16 GEMM at 1410 MHz throttles at 400 W to ~258 TFLOP/s (anchors §1).
+    Re-checked with the GEMM tile model (gemm.py), whose 8192^3 tile efficiency 0.945 and
+    tensor-busy share 0.985 leave it at ~260 TFLOP/s and ~394 W: not re-solved."""
     hbm_power_w: float = 50.0
     """DRAM + memory-controller power at full HBM bandwidth."""
     link_power_w: float = 3.0
@@ -85,9 +115,21 @@ class EmulatorParams:
     static power (anchors §3)."""
     voltage_floor: float = 0.7
     """V(f) / V(f_max) below the knee: voltage is flat at ~0.7 V (anchors §2)."""
+    limiter_tau_s: float = 0.01
+    """Time constant of the board power limiter's averaging: power is averaged
+    exponentially over it, and the clock moves one table step per tau / 5 while the
+    average is above the limit (up again 2% below it). NVIDIA does not publish the
+    limiter's dynamics; nvidia-smi reports power averaged over 1 s and its instantaneous
+    reading separately (docs/anchors.md §1), so tau is a model choice: 10 ms, varied
+    1-100 ms by `kareus compare --sensitivity`. 0 gives the memoryless limiter (every
+    interval at the highest clock that fits the limit, at once)."""
     voltage_knee_fraction: float = 0.45
     """Knee of the V-f curve as a fraction of max clock; above it V rises quadratically to
     1 at max clock, so dynamic power ~ V^2 f is convex in f."""
+    static_power_scale: float = 1.0
+    """Multiplies the GPU catalog's static power (`GPUSpec.static_power_w`: 85 W on A100, the
+    Perseus/Kareus constant, anchors §1). 1 is the catalog value; `kareus compare
+    --sensitivity` varies it 0.85..1.15 (docs/emulator.md, "Sensitivity of the headline")."""
 
 
 def default_params(gpu: GPUSpec) -> EmulatorParams:
@@ -103,19 +145,20 @@ def _architecture_params(gpu: GPUSpec) -> EmulatorParams:
     if gpu.name in ("H100-SXM", "H200"):
         return EmulatorParams(
             # NCCL cost model per-channel caps: Hopper 36.7 vs Ampere 20 GB/s (anchors §3)
-            coll_cta_busbw_bytes_s=12.6e9 * 36.7 / 20,
-            # the A100 fit's saturation is 0.92 of its achieved AllReduce bus bandwidth
-            coll_link_busbw_bytes_s=0.92 * gpu.allreduce_busbw_bytes_s,
+            coll_cta_busbw_bytes_s=12.8e9 * 36.7 / 20,
+            coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
             # solved so a GEMM at 700 W sustains ~1500 MHz (anchors §1, H200 report)
             sm_dynamic_power_w=950.0,
             hbm_power_w=90.0,
             link_power_w=15.0,
+            # H200 fit is the default; the H100 one-wave GEMM under a 24-CTA AllGather
+            # (anchors §3) needs 3x: docs/emulator.md, "Interference beyond SM loss"
+            interference_coefficient=0.75 if gpu.name == "H100-SXM" else 0.25,
         )
     if gpu.name == "A40":
         return EmulatorParams(
-            gemm_tile_n=128,
             coll_cta_busbw_bytes_s=2.5e9,
-            coll_link_busbw_bytes_s=0.92 * gpu.allreduce_busbw_bytes_s,
+            coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
             # solved so the Perseus A40 stage runs at its 300 W limit at 1740 MHz (anchors §2)
             sm_dynamic_power_w=380.0,
             hbm_power_w=35.0,

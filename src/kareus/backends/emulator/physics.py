@@ -11,11 +11,11 @@ Equations and constants: docs/emulator.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from kareus.backends.emulator.gemm import GemmModel, tile_catalog
 from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams
 from kareus.hardware import GPUSpec
 from kareus.workload.ops import Collective, ComputeOp
@@ -63,6 +63,8 @@ class GPUPhysics:
         self.clock_table = np.array(gpu.clock_table_mhz[::-1], dtype=float)  # ascending
         self.intra_link = params.coll_link_busbw_bytes_s
         self.inter_link = 0.9 * gpu.internode_bytes_s
+        self.gemm = GemmModel(tile_catalog(gpu.name), params.gemm_efficiency, params.gemm_k0,
+                              params.gemm_tile_plan_sms)
 
     # Voltage and per-SM dynamic power ------------------------------------------------------
 
@@ -86,14 +88,8 @@ class GPUPhysics:
         """Time the op's arithmetic (or instruction issue) needs on ``sms`` SMs at f."""
         p = self.p
         flop_rate_per_sm = self.gpu.flop_per_clock_per_sm * f_mhz * 1e6
-        if op.kind == "gemm":
-            total = 0.0
-            for m, n, k in op.gemm_shapes:
-                tiles = math.ceil(m / p.gemm_tile_m) * math.ceil(n / p.gemm_tile_n)
-                waves = math.ceil(tiles / sms)
-                tile_flops = 2.0 * p.gemm_tile_m * p.gemm_tile_n * k
-                total += waves * tile_flops / (flop_rate_per_sm * p.gemm_efficiency)
-            return total
+        if op.kind == "gemm":  # tile chosen by shape and SMs, waves x tile time (gemm.py)
+            return self.gemm.plan(op.gemm_shapes, sms).work_flop / flop_rate_per_sm
         if op.kind == "attention":
             eff = p.attention_bwd_efficiency if op.name.endswith("_bwd") else (
                 p.attention_efficiency)
@@ -106,12 +102,7 @@ class GPUPhysics:
         """Mean number of SMs a kernel keeps busy (a GEMM's last wave is partial)."""
         if op.kind != "gemm":
             return float(sms)
-        tiles_total, waves_total = 0, 0
-        for m, n, _k in op.gemm_shapes:
-            tiles = math.ceil(m / self.p.gemm_tile_m) * math.ceil(n / self.p.gemm_tile_n)
-            tiles_total += tiles
-            waves_total += math.ceil(tiles / sms)
-        return min(float(sms), tiles_total / max(1, waves_total))
+        return self.gemm.plan(op.gemm_shapes, sms).active_sms
 
     def memory_bandwidth(self, op: ComputeOp, sms: int) -> float:
         """HBM bandwidth the op can pull with ``sms`` SMs (memory-level parallelism)."""
@@ -119,13 +110,27 @@ class GPUPhysics:
             return self.hbm_bw
         return self.hbm_bw * float(np.interp(sms / self.n_sm, _SHARE_X, _SHARE_Y))
 
-    def compute_rate(self, op: ComputeOp, f_mhz: float, sms: int, hbm_alloc: float
-                     ) -> KernelRate:
+    def contention_slowdown(self, traffic_bytes_s: float) -> float:
+        """Stretch of a compute kernel's SM time beside a collective moving
+        ``traffic_bytes_s`` HBM bytes/s: 1 + c (traffic / BW_hbm)^e (docs/emulator.md,
+        "Interference beyond SM loss")."""
+        if traffic_bytes_s <= 0.0 or self.p.interference_coefficient <= 0.0:
+            return 1.0
+        x = min(1.0, traffic_bytes_s / self.hbm_bw)
+        return 1.0 + self.p.interference_coefficient * x ** self.p.interference_exponent
+
+    def compute_rate(self, op: ComputeOp, f_mhz: float, sms: int, hbm_alloc: float,
+                     contention: float = 1.0) -> KernelRate:
+        """``contention``: `contention_slowdown` of a concurrent collective. It stretches the
+        SM time (loads stall), not the arithmetic: the busy fraction, hence the arithmetic
+        energy, is that of the unstalled time."""
         t_comp = self.compute_time(op, f_mhz, sms)
         bw = min(hbm_alloc, self.memory_bandwidth(op, sms))
         t_mem = op.bytes_ / bw if op.bytes_ > 0 else 0.0
-        duration = max(t_comp, t_mem, 1e-9)
+        duration = max(t_comp * contention, t_mem, 1e-9)
         busy = t_comp / duration
+        if op.kind == "gemm":  # prologue, epilogue and operand stalls draw less (gemm.py)
+            busy *= self.gemm.plan(op.gemm_shapes, sms).tensor_busy
         activity = {"gemm": self.p.activity_gemm, "attention": self.p.activity_attention,
                     "memory": self.p.activity_memory}[op.kind]
         sm_power = (self.p.sm_dynamic_power_w * self.active_sms(op, sms) / self.n_sm

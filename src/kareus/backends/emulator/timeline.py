@@ -5,12 +5,20 @@ a collective placed on the compute stream blocks it, as in Megatron-LM). At most
 collective runs on the communication stream, launched when the compute stream reaches a
 given item (its latency phase first, then the transfer). Every start and end of a kernel
 recomputes the rates: SMs held by the collective are taken from the compute kernel, HBM
-bandwidth is split max-min fairly, and if the demanded power exceeds TDP the clock drops
-to the highest supported clock that fits, stretching time.
+bandwidth is split max-min fairly.
+
+The board's power limiter has memory (`PowerLimiter`): it acts on the power averaged over
+a time constant tau, one clock-table step per control tick, for compute and communication
+alike. A burst shorter than tau is not throttled; a sustained GEMM is, and then dithers
+between two table clocks around the limit. ``tau = 0`` is the memoryless limiter (each
+interval at the highest clock whose power fits, instantly). A measurement (`steady`) is
+the GPU's periodic steady state while the run repeats, as in a profiling window; a
+continuous simulation carries one `LimiterState` across runs (docs/emulator.md).
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +31,61 @@ from kareus.workload.ops import Collective, ComputeOp, Op
 # collective latency; ("xfer", Collective) collective transfer.
 Item = (tuple[Literal["gap", "lat"], float] | tuple[Literal["op"], ComputeOp]
         | tuple[Literal["xfer"], Collective])
+
+
+@dataclass
+class LimiterState:
+    """The limiter's memory on one GPU: the averaged power and the clock it allows."""
+
+    avg_power_w: float
+    cap_mhz: float
+    since_tick_s: float = 0.0
+
+    def key(self) -> tuple[float, float, float]:
+        """Rounded, for caching runs that start from nearly the same state."""
+        return (round(self.avg_power_w, 0), self.cap_mhz, round(self.since_tick_s, 5))
+
+
+class PowerLimiter:
+    """Board power limit on power averaged over ``tau_s`` (exponential average), acting
+    every ``tau_s / 5``: one table step down while the average exceeds the limit, one step
+    up (never above the set clock) while it is 2% below."""
+
+    HYSTERESIS = 0.02
+    TICKS_PER_TAU = 5
+
+    def __init__(self, limit_w: float, tau_s: float, table_mhz: Sequence[float]) -> None:
+        self.limit_w = limit_w
+        self.tau_s = tau_s
+        self.tick_s = tau_s / self.TICKS_PER_TAU
+        self.table = list(table_mhz)  # ascending
+
+    def clock(self, state: LimiterState, f_set: float) -> float:
+        return min(f_set, state.cap_mhz)
+
+    def until_tick(self, state: LimiterState) -> float:
+        return max(self.tick_s - state.since_tick_s, 0.0)
+
+    def advance(self, state: LimiterState, power_w: float, dt: float, f_set: float) -> None:
+        """``dt`` seconds at ``power_w`` (ending at or before the next tick)."""
+        a = math.exp(-dt / self.tau_s)
+        state.avg_power_w = power_w + (state.avg_power_w - power_w) * a
+        state.since_tick_s += dt
+        if state.since_tick_s >= self.tick_s * (1 - 1e-9):
+            state.since_tick_s = 0.0
+            f = self.clock(state, f_set)
+            i = bisect_right(self.table, f) - 1
+            if state.avg_power_w > self.limit_w and i > 0:
+                state.cap_mhz = self.table[i - 1]
+            elif (state.avg_power_w < self.limit_w * (1 - self.HYSTERESIS)
+                  and i + 1 < len(self.table) and self.table[i + 1] <= f_set):
+                state.cap_mhz = self.table[i + 1]
+            elif state.cap_mhz > f_set:
+                state.cap_mhz = f_set
+
+
+def _fields(r: RunResult) -> tuple[float, float, float, float, float]:
+    return (r.time_s, r.energy_j, r.freq_time_mhz_s, r.compute_end_s, r.overlap_s)
 
 
 @dataclass(frozen=True)
@@ -46,6 +109,24 @@ class Timeline:
         self.internode_groups = internode_groups
         self._table = [float(f) for f in physics.clock_table]  # ascending
         self._cache: dict = {}
+        tau = physics.p.limiter_tau_s
+        self.limiter = PowerLimiter(tdp_w, tau, self._table) if tau > 0 else None
+
+    def idle_state(self) -> LimiterState:
+        """A GPU that has been idle: averaged power at static, no clock held back."""
+        return LimiterState(self.static_power_w, self._table[-1])
+
+    def rest(self, state: LimiterState, seconds: float, f_set: float) -> None:
+        """``seconds`` idle at static power (waiting in the pipeline): the average decays
+        and the limiter gives clock back tick by tick."""
+        lim = self.limiter
+        if lim is None:
+            return
+        left = seconds
+        while left > 0:
+            dt = min(left, lim.until_tick(state) or lim.tick_s)
+            lim.advance(state, self.static_power_w, dt, f_set)
+            left -= dt
 
     # Items ----------------------------------------------------------------------------------
 
@@ -67,12 +148,15 @@ class Timeline:
     # Running --------------------------------------------------------------------------------
 
     def run(self, ops: Sequence[Op], freq_mhz: int, side: Collective | None = None,
-            side_sms: int = 0, launch_index: int | None = None, blocking_sms: int = 32
-            ) -> RunResult:
+            side_sms: int = 0, launch_index: int | None = None, blocking_sms: int = 32,
+            state: LimiterState | None = None) -> RunResult:
         """Run ``ops`` on the compute stream at ``freq_mhz``; optionally ``side`` on the
         communication stream with ``side_sms`` SMs, launched before ``ops[launch_index]``
         (``len(ops)`` or None: after the last op). Collectives inside ``ops`` block the
-        compute stream and use ``blocking_sms`` SMs."""
+        compute stream and use ``blocking_sms`` SMs. ``state``: the limiter's memory,
+        carried in and updated (None: a GPU that has been idle)."""
+        lim = self.limiter
+        st = state if state is not None else self.idle_state()
         per_op = self.stream_items(ops)
         if side is not None and launch_index is None:
             launch_index = len(ops)
@@ -107,10 +191,15 @@ class Timeline:
                     side_launched = True
                     continue
                 break
-            d_m, d_s, power, f_eff = self._interval(m_cur, s_cur, f, side_sms, blocking_sms)
+            f_run = f if lim is None else lim.clock(st, f)
+            d_m, d_s, power, f_eff = self._interval(m_cur, s_cur, f_run, side_sms,
+                                                    blocking_sms, throttle=lim is None)
             dt_m = m_rem * d_m if m_cur is not None else float("inf")
             dt_s = s_rem * d_s if s_cur is not None else float("inf")
             dt = min(dt_m, dt_s)
+            if lim is not None:
+                dt = min(dt, lim.until_tick(st) or lim.tick_s)
+                lim.advance(st, power, dt, f)
             t += dt
             if m_cur is not None and s_cur is not None:
                 overlap += dt
@@ -129,16 +218,82 @@ class Timeline:
                     s_rem -= dt / d_s
         return RunResult(t, energy, ftime, compute_end, overlap)
 
+    # A measurement: the run repeated, in the limiter's steady state ------------------------
+
+    WARMUP_TAUS = 3.0
+    MEASURE_TAUS = 2.0
+    MEAN_FIELD_RUNS_PER_TICK = 4.0
+
+    def steady(self, ops: Sequence[Op], freq_mhz: int, side: Collective | None = None,
+               side_sms: int = 0, launch_index: int | None = None, blocking_sms: int = 32
+               ) -> RunResult:
+        """Per run, the run repeated back to back as in a profiling window, once the
+        limiter has settled. Runs several times shorter than a control tick see only their
+        average power: then the mean-field limit (the runs at the two table clocks around
+        the limit, mixed so that the average power is the limit) stands in for simulating
+        thousands of them; longer runs are simulated: warm-up, then the mean over whole
+        runs of at least MEASURE_TAUS time constants."""
+        args = (ops, freq_mhz, side, side_sms, launch_index, blocking_sms)
+        lim = self.limiter
+        first = self.run(*args)
+        if lim is None:
+            return first
+        if first.time_s * self.MEAN_FIELD_RUNS_PER_TICK <= lim.tick_s:
+            return self._mean_field(args, first)
+        st = LimiterState(first.energy_j / first.time_s, float(freq_mhz))
+        t_warm = 0.0
+        runs = 0
+        while t_warm < self.WARMUP_TAUS * lim.tau_s or runs < 2:
+            t_warm += self.run(*args, state=st).time_s
+            runs += 1
+        total = [0.0, 0.0, 0.0, 0.0, 0.0]
+        runs = 0
+        while total[0] < self.MEASURE_TAUS * lim.tau_s or runs < 1:
+            r = self.run(*args, state=st)
+            for i, v in enumerate((r.time_s, r.energy_j, r.freq_time_mhz_s, r.compute_end_s,
+                                   r.overlap_s)):
+                total[i] += v
+            runs += 1
+        return RunResult(*(v / runs for v in total))
+
+    def _mean_field(self, args: tuple, at_set: RunResult) -> RunResult:
+        """Short runs under a limiter with memory: the clock settles where the average
+        power meets the limit, dithering between the two table clocks around it."""
+        ops, f_set, side, side_sms, launch, blocking = args
+        if at_set.energy_j / at_set.time_s <= self.tdp_w:
+            return at_set
+        clocks = [f for f in self._table if f <= f_set]
+        hi_run = at_set
+        for f in reversed(clocks[:-1]):
+            lo_run = self._fixed_clock_run(ops, int(f), side, side_sms, launch, blocking)
+            p_lo = lo_run.energy_j / lo_run.time_s
+            if p_lo <= self.tdp_w:
+                p_hi = hi_run.energy_j / hi_run.time_s
+                alpha = (self.tdp_w - p_lo) / (p_hi - p_lo)  # share of time at the upper
+                beta = (alpha / hi_run.time_s) / (alpha / hi_run.time_s
+                                                  + (1 - alpha) / lo_run.time_s)
+                return RunResult(*(beta * a + (1 - beta) * b for a, b in zip(
+                    _fields(hi_run), _fields(lo_run), strict=True)))
+            hi_run = lo_run
+        return hi_run  # even the lowest clock exceeds the limit: it runs there
+
+    def _fixed_clock_run(self, ops: Sequence[Op], f: int, side: Collective | None,
+                         side_sms: int, launch: int | None, blocking: int) -> RunResult:
+        """One run at clock ``f`` whatever its power (a fresh state held at ``f``)."""
+        st = LimiterState(0.0, float(f))
+        return self.run(ops, f, side, side_sms, launch, blocking, state=st)
+
     # One interval ---------------------------------------------------------------------------
 
     def _interval(self, main: Item | None, side: Item | None, f_set: float, side_sms: int,
-                  blocking_sms: int) -> tuple[float, float, float, float]:
-        key = (main, side, f_set, side_sms, blocking_sms)
+                  blocking_sms: int, throttle: bool = True
+                  ) -> tuple[float, float, float, float]:
+        key = (main, side, f_set, side_sms, blocking_sms, throttle)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         result = self._evaluate(main, side, f_set, side_sms, blocking_sms)
-        if result[2] > self.tdp_w:
+        if throttle and result[2] > self.tdp_w:
             result = self._throttle(main, side, f_set, side_sms, blocking_sms)
         self._cache[key] = result
         return result
@@ -171,13 +326,16 @@ class Timeline:
             op = main[1]
             sms = n - side_holds
             alloc_main = alloc_side = ph.hbm_bw
+            contention = 1.0
             if side is not None and side[0] == "xfer":
                 coll = side[1]
                 inter = coll.group in self.internode_groups
+                coll_demand = ph.coll_hbm_demand(coll, f, side_sms, inter)
                 alloc_main, alloc_side = ph.share_hbm(
-                    ph.compute_hbm_demand(op, f, sms),
-                    ph.coll_hbm_demand(coll, f, side_sms, inter))
-            r = ph.compute_rate(op, f, sms, alloc_main)
+                    ph.compute_hbm_demand(op, f, sms), coll_demand)
+                # the collective's HBM traffic in this interval stalls the kernel's loads
+                contention = ph.contention_slowdown(min(coll_demand, alloc_side))
+            r = ph.compute_rate(op, f, sms, alloc_main, contention)
             d_main = r.duration_s
             power += r.sm_power_w
             hbm += r.hbm_bytes_s
