@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.timeline import LimiterState, PowerLimiter
+from kareus.backends.emulator.limiter import LimiterState, PowerLimiter
 from kareus.sources import build_job
 from kareus.workload.ops import Collective, ComputeOp
 

@@ -30,7 +30,8 @@ from functools import partial
 
 from kareus import SCHEMA_VERSION
 from kareus.backends.emulator.backend import EmulatorBackend
-from kareus.backends.emulator.timeline import LimiterState, RunResult
+from kareus.backends.emulator.limiter import LimiterState
+from kareus.backends.emulator.timeline import RunResult
 from kareus.core import ZERO, Knobs, Measurement
 from kareus.execution import ExecutionPlan
 from kareus.partition import PartitionSet, Step

@@ -18,12 +18,12 @@ continuous simulation carries one `LimiterState` across runs (docs/emulator.md).
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kareus.backends.emulator.limiter import LimiterState, PowerLimiter
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.workload.ops import Collective, ComputeOp, Op
 
@@ -31,57 +31,6 @@ from kareus.workload.ops import Collective, ComputeOp, Op
 # collective latency; ("xfer", Collective) collective transfer.
 Item = (tuple[Literal["gap", "lat"], float] | tuple[Literal["op"], ComputeOp]
         | tuple[Literal["xfer"], Collective])
-
-
-@dataclass
-class LimiterState:
-    """The limiter's memory on one GPU: the averaged power and the clock it allows."""
-
-    avg_power_w: float
-    cap_mhz: float
-    since_tick_s: float = 0.0
-
-    def key(self) -> tuple[float, float, float]:
-        """Rounded, for caching runs that start from nearly the same state."""
-        return (round(self.avg_power_w, 0), self.cap_mhz, round(self.since_tick_s, 5))
-
-
-class PowerLimiter:
-    """Board power limit on power averaged over ``tau_s`` (exponential average), acting
-    every ``tau_s / 5``: one table step down while the average exceeds the limit, one step
-    up (never above the set clock) while it is 2% below."""
-
-    HYSTERESIS = 0.02
-    TICKS_PER_TAU = 5
-
-    def __init__(self, limit_w: float, tau_s: float, table_mhz: Sequence[float]) -> None:
-        self.limit_w = limit_w
-        self.tau_s = tau_s
-        self.tick_s = tau_s / self.TICKS_PER_TAU
-        self.table = list(table_mhz)  # ascending
-
-    def clock(self, state: LimiterState, f_set: float) -> float:
-        return min(f_set, state.cap_mhz)
-
-    def until_tick(self, state: LimiterState) -> float:
-        return max(self.tick_s - state.since_tick_s, 0.0)
-
-    def advance(self, state: LimiterState, power_w: float, dt: float, f_set: float) -> None:
-        """``dt`` seconds at ``power_w`` (ending at or before the next tick)."""
-        a = math.exp(-dt / self.tau_s)
-        state.avg_power_w = power_w + (state.avg_power_w - power_w) * a
-        state.since_tick_s += dt
-        if state.since_tick_s >= self.tick_s * (1 - 1e-9):
-            state.since_tick_s = 0.0
-            f = self.clock(state, f_set)
-            i = bisect_right(self.table, f) - 1
-            if state.avg_power_w > self.limit_w and i > 0:
-                state.cap_mhz = self.table[i - 1]
-            elif (state.avg_power_w < self.limit_w * (1 - self.HYSTERESIS)
-                  and i + 1 < len(self.table) and self.table[i + 1] <= f_set):
-                state.cap_mhz = self.table[i + 1]
-            elif state.cap_mhz > f_set:
-                state.cap_mhz = f_set
 
 
 def _fields(r: RunResult) -> tuple[float, float, float, float, float]:
