@@ -82,8 +82,8 @@ def test_a_constant_this_emulator_lacks_is_skipped_with_a_note(section):
 
 
 def test_unknown_constant_names_are_one_error(tmp_path):
-    with pytest.raises(SpecError, match="unknown sensitivity constant.*'nope'.*known: "
-                                        "limiter_tau_s"):
+    with pytest.raises(SpecError, match=r"unknown sensitivity constant.*'nope'.*known: "
+                                        r"limiter_tau_s"):
         resolve_constants(["static_power_scale", "nope"])
     with pytest.raises(SpecError, match="no field"):
         recompose(small_job(), {}, {"nope": 1.0})

@@ -119,11 +119,12 @@ def compare(
         "--workers", help="Local processes (default: one per partition, up to the "
                           "CPUs).")] = None,
     sensitivity: Annotated[bool, typer.Option(
-        "--sensitivity", help="Also give Kareus's headline metrics as [min / median / max] "
+        "--sensitivity", help="Also give Kareus's headline metrics as min, median and max "
                               "over the plausible range of the emulator's least-known "
                               "constants, one at a time at each end (the search is not "
                               "rerun): compare.md and compare.json's `sensitivity`. Adds "
-                              "about 9 minutes to the ten presets' ~6 on 2 cores.",
+                              "about 13 CPU-minutes for the ten presets (~7 minutes on 2 "
+                              "free cores; docs/comparison.md).",
         metavar="")] = False,
     sensitivity_presets: Annotated[Optional[str], typer.Option(
         "--sensitivity-presets", help="With --sensitivity: comma-separated presets of the "
