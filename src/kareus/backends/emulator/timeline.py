@@ -185,7 +185,7 @@ class Timeline:
         args = (ops, freq_mhz, side, side_sms, launch_index, blocking_sms)
         lim = self.limiter
         first = self.run(*args)
-        if lim is None:
+        if lim is None or first.time_s <= 0:
             return first
         if first.time_s * self.MEAN_FIELD_RUNS_PER_TICK <= lim.tick_s:
             return self._mean_field(args, first)
