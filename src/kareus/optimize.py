@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,10 @@ def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
     if measurements is None and spec.name in ("nvml", "fakegpu"):
         t0 = time.perf_counter()
         say(f"profiling every partition and composition step on {spec.name}")
-        profile(job, str(rd.journal), spec, config, progress=progress)
+        profiled = profile(job, str(rd.journal), spec, config, progress=progress)
         timings["profile"] = time.perf_counter() - t0
         measurements = str(rd.journal)
+        spec = replace(spec, replay_identity=profiled.identity)  # not another backend's
     if measurements is not None:
         searches, solved, sources, f_max, costs = _compose_measured(
             job, measurements, spec.replay_identity, fill_missing, chosen, say, timings)

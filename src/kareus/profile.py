@@ -49,11 +49,14 @@ class ProfileResult:
     """Measurements outside the searches that composition uses (0: not profiled)."""
     composition_measured: int = 0
     """Of those, measured by this run (the others were in the journal)."""
+    identity: str = ""
+    """The measuring backend's identity: its measurements' key in the journal."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"searches": [s.to_dict() for s in self.searches],
                 "composition_needed": self.composition_needed,
-                "composition_measured": self.composition_measured}
+                "composition_measured": self.composition_measured,
+                "backend": self.identity}
 
 
 def profile(job: JobSpec, journal: str, backend: BackendSpec,
@@ -75,23 +78,25 @@ def profile(job: JobSpec, journal: str, backend: BackendSpec,
                                   f"torchrun with --nproc-per-node {p.collective.group_size}")
         spec = backend
         if backend.name in ("nvml", "fakegpu"):
-            spec = replace(backend, gpu_index=group.local_rank,
+            several = group.world_size > 1
+            spec = replace(backend,
+                           gpu_index=group.local_rank if several else backend.gpu_index,
                            torch_device=backend.torch_device or (
-                               group.device if group.world_size > 1 else None))
+                               group.device if several else None))
         record = group.rank == 0
         with Journal(journal) as store, open_backend(
                 job, spec, group.collectives, group.agree) as raw:
             be: Backend = AgreedBackend(raw, group.agree) if group.world_size > 1 else raw
             jid = store.register_job(job)
-            # without clock changes the GPU's own clock, rank 0's on every rank
-            freqs = job.freqs_mhz if spec.allow_clock_changes or spec.name != "nvml" else (
-                group.agree((_current_clock(raw),)))
+            # without clock changes the job's one clock (BackendSpec.check): the nvml
+            # backend refuses to measure while the GPU runs another
+            freqs = job.freqs_mhz
             searches = []
             for p in parts:
                 report = (lambda d, n, k=p.key: progress(k, d, n)) if progress else None
                 searches.append(run_search(p, be, freqs, cfg, store, jid, progress=report,
                                            record=record))
-            result = ProfileResult(searches)
+            result = ProfileResult(searches, identity=be.identity())
             if composition:
                 group.agree(True)  # every rank reads the journal after rank 0's last write
                 needed, measured = measure_composition(
@@ -140,10 +145,3 @@ def measure_composition(ps: PartitionSet, be: Backend, journal: JournalLike, jid
     Composer(ps, real, freqs).ask_all(all_methods(), journal_frontiers(
         ps, journal, jid, be.identity()))
     return todo, real.measured
-
-
-def _current_clock(backend: object) -> int:
-    from kareus.backends.nvml import NvmlBackend
-
-    assert isinstance(backend, NvmlBackend)
-    return backend.device.current_sm_clock_mhz()

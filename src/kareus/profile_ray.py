@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from kareus.backends.agreed import AgreedBackend
 from kareus.backends.factory import BackendSpec, open_backend
@@ -135,9 +135,9 @@ class RankActor:
             report = journal.progress(task.key) if record else None
             with open_backend(job, spec, group.collectives, group.agree) as raw:
                 be = AgreedBackend(raw, _agree(group, task.die_after))
-                fixed = spec.name == "nvml" and not spec.allow_clock_changes
-                freqs = group.agree((cast(Any, raw).device.current_sm_clock_mhz(),) if fixed
-                                    else job.freqs_mhz)
+                # without clock changes the job's one clock (BackendSpec.check), as in
+                # kareus.profile: the nvml backend refuses while the GPU runs another
+                freqs = job.freqs_mhz
                 ps = PartitionSet.from_job(job)
                 if task.key == COMPOSITION:
                     needed, measured = measure_composition(ps, be, journal, journal.jid,
@@ -349,6 +349,9 @@ class _Driver:
             self._retry(u, str(dead[0]).splitlines()[0])
             return None
         self._stop(u)
+        cause = getattr(errors[0], "cause", None)
+        if isinstance(cause, KareusError):  # a user error on a rank: its own one line
+            raise KareusError(f"profiling {u.key}: {cause}") from None
         raise KareusError(f"profiling {u.key} failed: {errors[0]}") from errors[0]
 
     def _errors(self, refs: list[Any]) -> list[BaseException]:

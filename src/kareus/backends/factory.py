@@ -4,6 +4,7 @@ data, so it crosses process boundaries (search workers, Ray tasks) as a dict."""
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -52,7 +53,9 @@ class BackendSpec:
         if not 0 <= self.noise <= 0.5:
             raise SpecError(f"noise must be between 0 and 0.5, got {self.noise}")
         pr = self.protocol
-        if pr is not None and (pr.window_s <= 0 or pr.cooldown_s < 0 or pr.settle_s < 0):
+        if pr is not None and not (math.isfinite(pr.window_s + pr.cooldown_s + pr.settle_s)
+                                   and pr.window_s > 0 and pr.cooldown_s >= 0
+                                   and pr.settle_s >= 0):
             raise SpecError(f"--window must be positive and --cooldown, --settle at least 0;"
                             f" got {pr.window_s}, {pr.cooldown_s}, {pr.settle_s}")
         if self.gpu_index < 0:

@@ -41,6 +41,9 @@ CollectiveFactory = Callable[[Collective, int], Callable[[], object]]
 
 
 class NvmlBackend:
+    PROBE_RUNS = 8
+    """Runs timed together (one synchronisation) to size the measurement window."""
+
 
     def __init__(self, job: JobSpec, device: GPUDevice, guard: ClockGuard | None = None,
                  protocol: MeasurementProtocol | None = None, torch_device: str = "cuda",
@@ -148,8 +151,12 @@ class NvmlBackend:
             key = (f"ops:{coll.name}:{coll.kind}:{coll.bytes_:.0f}", sms)
             fn = self._collectives.get(key)
             if fn is None:
-                fn = self._collectives[key] = self._collective_factory(coll, sms)
-            return fn
+                try:
+                    fn = self._collectives[key] = self._collective_factory(coll, sms)
+                except ValueError:  # not over this group (its size differs): stand-in
+                    fn = None
+            if fn is not None:
+                return fn
         return stand_in_collective(coll.bytes_, self.torch_device)
 
     def _sync(self) -> None:
@@ -186,9 +193,10 @@ class NvmlBackend:
         # rank of a TP/CP group must run the collective equally often (rank 0's count is
         # agreed), or the ranks that stop early leave the others blocked in it
         p0 = time.perf_counter()
-        run()
+        for _ in range(self.PROBE_RUNS):  # a fixed count: every rank runs the same
+            run()
         sync()
-        per_run_s = max(time.perf_counter() - p0, 1e-9)
+        per_run_s = max((time.perf_counter() - p0) / self.PROBE_RUNS, 1e-9)
         runs = self._agree(max(self.min_runs, math.ceil(self.protocol.window_s / per_run_s)))
         e0, t0 = self.device.energy_j(), time.perf_counter()
         for i in range(runs):

@@ -39,8 +39,10 @@ class NcclCollectives:
 
     def __call__(self, coll: Collective, sms: int) -> Callable[[], object]:
         torch, dist = self.torch, self.dist
-        g = self.group(sms)
         n = dist.get_world_size()
+        if coll.group_size != n:
+            raise ValueError(f"{coll.name} runs over {coll.group_size} ranks, this group has {n}")
+        g = self.group(sms)
         elems = max(n, int(coll.bytes_ // 2) // n * n)
         if coll.kind == "all_reduce":
             buf = torch.empty(elems, device=self.device, dtype=torch.bfloat16)

@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kareus.errors import SpecError
 from kareus.workload.ops import GemmShape
 
 
@@ -135,9 +136,10 @@ class GemmModel:
     def __init__(self, catalog: Sequence[Tile], eff_max: float, k0: float,
                  plan_sms: int = 0) -> None:
         if not catalog:
-            raise ValueError("empty tile catalog")
+            raise SpecError("empty GEMM tile catalog")
         if eff_max <= 0 or k0 < 0:
-            raise ValueError(f"bad GEMM efficiency {eff_max} or k0 {k0}")
+            raise SpecError(f"gemm_efficiency must be positive and gemm_k0 at least 0, got "
+                            f"{eff_max} and {k0}")
         self.catalog = tuple(catalog)
         self.eff_max = eff_max
         self.k0 = k0

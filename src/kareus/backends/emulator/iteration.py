@@ -180,7 +180,8 @@ class IterationSimulator:
         lim = self.backend.timeline.limiter
         if lim is not None:
             state.avg_power_w = round(state.avg_power_w * 2) / 2
-            state.since_tick_s = round(state.since_tick_s / lim.tick_s * 10) * lim.tick_s / 10
+            tenths = min(round(state.since_tick_s / lim.tick_s * 10), 9)
+            state.since_tick_s = tenths * lim.tick_s / 10
         key = (step_key, f, state.avg_power_w, state.cap_mhz, state.since_tick_s)
         hit = self._runs.get(key)
         if hit is None:

@@ -29,8 +29,10 @@ class LimiterState:
 
 class PowerLimiter:
     """Board power limit on power averaged over ``tau_s`` (exponential average), acting
-    every ``tau_s / 5``: one table step down while the average exceeds the limit, one step
-    up (never above the set clock) while it is 2% below."""
+    every ``tau_s / 5``: one table step down (from the clock it runs) while the average
+    exceeds the limit, the cap one step up while it is 2% below. The clock run is the
+    lower of the set clock and the cap, so a higher set clock applies at once unless the
+    cap holds it back."""
 
     HYSTERESIS = 0.02
     TICKS_PER_TAU = 5
@@ -54,12 +56,12 @@ class PowerLimiter:
         state.since_tick_s += dt
         if state.since_tick_s >= self.tick_s * (1 - 1e-9):
             state.since_tick_s = 0.0
-            f = self.clock(state, f_set)
-            i = bisect_right(self.table, f) - 1
-            if state.avg_power_w > self.limit_w and i > 0:
-                state.cap_mhz = self.table[i - 1]
-            elif (state.avg_power_w < self.limit_w * (1 - self.HYSTERESIS)
-                  and i + 1 < len(self.table) and self.table[i + 1] <= f_set):
-                state.cap_mhz = self.table[i + 1]
-            elif state.cap_mhz > f_set:
-                state.cap_mhz = f_set
+            if state.avg_power_w > self.limit_w:
+                # down one step from the clock it runs
+                i = bisect_right(self.table, self.clock(state, f_set)) - 1
+                state.cap_mhz = self.table[max(i - 1, 0)]
+            elif state.avg_power_w < self.limit_w * (1 - self.HYSTERESIS):
+                # the cap follows power alone: a higher set clock applies at once when
+                # power allows, as a clock lock does
+                i = bisect_right(self.table, state.cap_mhz) - 1
+                state.cap_mhz = self.table[min(i + 1, len(self.table) - 1)]
