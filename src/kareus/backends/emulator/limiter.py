@@ -1,9 +1,10 @@
 """The board power limiter with memory (docs/emulator.md, "Power").
 
 The board's power, compute and communication together, is averaged exponentially over a
-time constant tau; every control tick (tau / 5) the clock moves one step of the GPU's clock
-table: down while the average exceeds the limit, up (never above the set clock) while it is
-2% below. `LimiterState` is the memory one GPU carries from run to run.
+time constant tau; every control tick (tau / 5) the limiter's cap moves one step of the
+GPU's clock table: one step below the clock run while the average exceeds the limit, one
+step up while it is 2% below. The GPU runs at the lower of the set clock and the cap.
+`LimiterState` is the memory one GPU carries from run to run.
 """
 
 from __future__ import annotations
