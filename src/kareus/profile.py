@@ -13,7 +13,8 @@
 Under torchrun every rank of the TP/CP group runs the kernels and the collective in
 lockstep, every rank decides on rank 0's numbers (`AgreedBackend`), and rank 0 journals.
 On one process the collective is a single-GPU stand-in. Without ``allow_clock_changes``
-only the GPU's current clock is measured.
+no clock is touched: the job's one clock (``--freqs``) must be the one the GPU runs at,
+and a measurement at another is refused.
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def profile(
 
     Real GPUs: run it under torchrun with as many processes as the partitions' TP/CP
     group; every rank runs the kernels and the NCCL collective, rank 0 writes the journal.
-    Without --allow-clock-changes only the GPU's current clock is measured.
+    Without --allow-clock-changes no clock is touched: pass --freqs with the one clock the
+    GPU runs at (a measurement at another is refused).
     With --executor ray, each partition's group runs as Ray actors on one node of the
     cluster (partitions in parallel), and this process writes the journal.
     """
