@@ -95,8 +95,9 @@ def profile(job: JobSpec, journal: str, backend: BackendSpec,
             searches = []
             for p in parts:
                 report = (lambda d, n, k=p.key: progress(k, d, n)) if progress else None
-                searches.append(run_search(p, be, freqs, cfg, store, jid, progress=report,
-                                           record=record))
+                searches.append(run_search(
+                    p, be, freqs, cfg, store, jid, progress=report, record=record,
+                    agree=group.agree if group.world_size > 1 else None))
             result = ProfileResult(searches, identity=be.identity())
             if composition:
                 group.agree(True)  # every rank reads the journal after rank 0's last write

@@ -144,7 +144,8 @@ class RankActor:
                                                            freqs, record, report)
                     return {"needed": needed, "measured": measured} if record else None
                 result = run_search(ps[task.key], be, freqs, task.config, journal,
-                                    journal.jid, progress=report, record=record)
+                                    journal.jid, progress=report, record=record,
+                                    agree=group.agree)
                 return result.to_dict() if record else None
 
 

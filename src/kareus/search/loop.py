@@ -31,6 +31,10 @@ Progress = Callable[[int, int], None]
 """progress(samples so far, budget)."""
 
 
+AgreeBatch = Callable[[list[Knobs]], list[Knobs]]
+"""Rank 0's batch on every rank of a group (kareus.gpu.distributed's ``agree``)."""
+
+
 @dataclass(frozen=True)
 class SearchConfig:
     strategy: str = "mbo"
@@ -183,9 +187,10 @@ class _Recorder:
     group profiled under torchrun measure in lockstep with rank 0, which records)."""
 
     def __init__(self, partition: Partition, backend: Backend, journal: JournalLike | None,
-                 jid: str, budget: int, progress: Progress | None, record: bool = True
-                 ) -> None:
+                 jid: str, budget: int, progress: Progress | None, record: bool = True,
+                 agree: AgreeBatch | None = None) -> None:
         self.p = partition
+        self.agree = agree
         self.backend = backend
         self.journal = journal
         self.jid = jid
@@ -215,6 +220,8 @@ class _Recorder:
                 self._journal[s.knobs] = s.measurement
 
     def measure(self, batch: list[Knobs]) -> None:
+        if self.agree is not None:  # every rank of a group measures rank 0's batch
+            batch = self.agree(batch)
         # one clock at a time: settings of a batch are run grouped by frequency, so the
         # GPU settles once per clock change
         for k in sorted(batch, key=lambda k: (-k.freq_mhz, k.sms, k.slot or "")):
@@ -243,17 +250,20 @@ class _Recorder:
 def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...],
                config: SearchConfig, journal: JournalLike | None = None, job_id: str = "",
                prior: CostModel | None = None, progress: Progress | None = None,
-               record: bool = True) -> SearchResult:
+               record: bool = True, agree: AgreeBatch | None = None) -> SearchResult:
     """Search one partition's knob space on ``backend``.
 
     ``prior``: a cost model whose prediction of every setting informs the surrogates (they
     learn the ratio measured / predicted) and the initial design. ``record=False``: the
-    journal is read (settings it holds are reused) but not written.
+    journal is read (settings it holds are reused) but not written. ``agree``: ranks of a
+    group profiled together measure rank 0's batch (its surrogates decided it), so that a
+    rank whose own fit differed by a rounding cannot pick other settings and deadlock the
+    group's collectives.
     """
     space = KnobSpace(partition, tuple(freqs_mhz), backend.gpu.max_freq_mhz)
     config.check(len(space), prior is not None)
     budget = len(space) if config.strategy == "exhaustive" else min(config.budget, len(space))
-    rec = _Recorder(partition, backend, journal, job_id, budget, progress, record)
+    rec = _Recorder(partition, backend, journal, job_id, budget, progress, record, agree)
     rec.preload(space)
     rng = np.random.default_rng(config.seed)
     history: list[tuple[int, float]] = []
