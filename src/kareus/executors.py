@@ -9,7 +9,6 @@ each search is seeded, so the results are identical whichever executor runs them
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -23,7 +22,7 @@ from typing import Any
 from kareus.backends.factory import BackendSpec, open_backend, open_prior
 from kareus.errors import KareusError, SpecError
 from kareus.partition import PartitionSet
-from kareus.ray_support import import_ray
+from kareus.ray_support import ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.search.surrogate import SurrogateConfig
 from kareus.spec import JobSpec, validate_job
@@ -214,18 +213,7 @@ def _drain(q: Any, progress: TaskProgress | None, timeout_s: float) -> None:
 
 def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgress | None
              ) -> list[SearchResult]:
-    try:
-        ray = import_ray()
-    except ImportError:
-        raise KareusError("the ray executor needs Ray: pip install 'kareus[ray]'") from None
-    started_here = not ray.is_initialized()
-    if started_here:
-        try:
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
-                     include_dashboard=False, logging_level=logging.ERROR)
-        except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise KareusError(f"cannot reach the Ray cluster: {exc}") from None
-    try:
+    with ray_session(address) as ray:
         remote = ray.remote(_run_task_as_dict)
         refs = [remote.remote(t) for t in tasks]
         index = {ref: i for i, ref in enumerate(refs)}
@@ -240,6 +228,3 @@ def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgres
                     n = len(results[i].samples)
                     progress(tasks[i].partition, n, n)
         return [results[i] for i in range(len(tasks))]
-    finally:
-        if started_here:
-            ray.shutdown()

@@ -169,8 +169,9 @@ def _compose_measured(job: JobSpec, journal: str, identity: str | None,
           else nullcontext()) as fallback:
         replay = ReplayBackend(journal, job, identity, fallback=fallback)
         say(f"composing from {journal} ({replay.identity()})")
-        fronts = key_frontiers({k: replay.samples(k) for k in ps.keys})
-        searches = [SearchResult.from_journal(k, replay.samples(k)) for k in ps.keys]
+        journaled = {k: replay.samples(k) for k in ps.keys}
+        fronts = key_frontiers(journaled)
+        searches = [SearchResult.from_journal(k, v) for k, v in journaled.items()]
         composer = Composer(ps, replay, job.freqs_mhz)
         solved = method_frontiers(composer, chosen, fronts, say)
         costs = composer.pipeline_costs()

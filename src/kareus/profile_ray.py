@@ -36,7 +36,7 @@ from kareus.profile import (
     ProfileResult,
     measure_composition,
 )
-from kareus.ray_support import import_ray
+from kareus.ray_support import import_ray, ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.spec import JobSpec, validate_job
 from kareus.store import Journal, StoredSample
@@ -210,7 +210,7 @@ def profile_ray(job: JobSpec, journal: str, backend: BackendSpec,
         cfg.check(ps[k].knob_space_size(len(job.freqs_mhz)), False)
     (ex := executor or ExecutorSpec("ray")).check()
     one = backend.name not in ("nvml", "fakegpu")  # no GPU path: one rank a unit
-    with _ray_session(ex.ray_address) as ray, Journal(journal) as store:
+    with ray_session(ex.ray_address) as ray, Journal(journal) as store:
         driver = _Driver(ray, store, job, backend, cfg, progress, retries,
                          placement_timeout_s)
         try:
@@ -226,25 +226,6 @@ def profile_ray(job: JobSpec, journal: str, backend: BackendSpec,
             driver.drain()
             ray.kill(driver.queue.actor)
         return result
-
-
-@contextmanager
-def _ray_session(address: str | None) -> Iterator[Any]:
-    try:
-        ray = import_ray()
-        started_here = not ray.is_initialized()
-        if started_here:
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
-                     include_dashboard=False, logging_level=logging.ERROR)
-    except ImportError:
-        raise KareusError("the ray executor needs Ray: pip install 'kareus[ray]'") from None
-    except (ConnectionError, ValueError, RuntimeError) as exc:
-        raise KareusError(f"cannot reach the Ray cluster: {exc}") from None
-    try:
-        yield ray
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 @dataclass

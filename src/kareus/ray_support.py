@@ -21,12 +21,17 @@ import atexit
 import contextlib
 import importlib
 import io
+import logging
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from kareus.errors import KareusError
 
 _STUB = ('raise ImportError("amdsmi is disabled here: AMD\'s libamd_smi.so cannot be '
          'loaded on this machine (set by kareus.ray_support)")\n')
@@ -84,3 +89,26 @@ def import_ray() -> ModuleType:
     Ray is not installed."""
     disable_broken_amdsmi()
     return importlib.import_module("ray")
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[Any]:
+    """Ray, initialised here unless it already is (then shut down on leaving): the local
+    instance, or the cluster at ``address``. A missing Ray or an unreachable cluster is
+    one `KareusError`."""
+    try:
+        ray = import_ray()
+    except ImportError:
+        raise KareusError("the ray executor needs Ray: pip install 'kareus[ray]'") from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
+                     include_dashboard=False, logging_level=logging.ERROR)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise KareusError(f"cannot reach the Ray cluster: {exc}") from None
+    try:
+        yield ray
+    finally:
+        if started_here:
+            ray.shutdown()
