@@ -63,9 +63,50 @@ def test_per_frequency_pass_takes_one_setting_per_clock():
     n = 30
     freqs = np.repeat([1410, 1200, 900], 10)
     t = np.linspace(1.0, 2.0, n)
-    cands = Candidates(np.arange(n), freqs, t, np.ones(n), 0 * t, 0 * t, np.zeros((n, 1)))
+    feats = np.column_stack([freqs / 1410, np.arange(n) / n])  # all configurations differ
+    cands = Candidates(np.arange(n), freqs, t, np.ones(n), 0.01 * t, 0 * t, feats)
     batch = select_batch(cands, np.array([3.0]), np.array([1.0]), np.array([1410]),
-                         np.zeros((1, 1)), 85.0, 3, (0, 0, 0, 0, 1))
+                         feats[:1], 85.0, 3, (0, 0, 0, 0, 1))
     assert sorted(freqs[batch].tolist()) == [900, 1200, 1410]
     # at each clock, the fastest predicted setting
     assert sorted(batch) == [0, 10, 20]
+
+
+def _three_configs_at_three_clocks():
+    freqs = np.repeat([1410, 1200, 900], 3)
+    configs = np.tile([0, 1, 2], 3)
+    # configuration 0 is predicted fastest at every clock
+    t = (1.0 + 0.01 * configs) * (1410 / freqs)
+    feats = np.column_stack([freqs / 1410, configs / 3])
+    cands = Candidates(np.arange(9), freqs, t, np.ones(9), 0.05 * t, 0 * t, feats)
+    return freqs, configs, feats, cands
+
+
+def test_per_frequency_pass_takes_a_configuration_everywhere_it_is_predicted_best():
+    freqs, configs, feats, cands = _three_configs_at_three_clocks()
+    measured = 1.02 * 1410 / np.array([1410, 1200, 900.0])  # beaten by configuration 0
+    batch = select_batch(cands, measured, np.ones(3), np.array([1410, 1200, 900]),
+                         feats[:3], 85.0, 3, (0, 0, 0, 0, 1))
+    assert sorted(freqs[batch].tolist()) == [900, 1200, 1410]
+    assert configs[batch].tolist() == [0, 0, 0]
+
+
+def test_per_frequency_pass_explores_one_clock_per_configuration():
+    # nothing is predicted to beat what was measured: exploring by expected improvement,
+    # configuration 0 is taken at one clock only, the others get the next configurations
+    freqs, configs, feats, cands = _three_configs_at_three_clocks()
+    measured = 0.99 * 1410 / np.array([1410, 1200, 900.0])
+    batch = select_batch(cands, measured, np.ones(3), np.array([1410, 1200, 900]),
+                         feats[:3], 85.0, 3, (0, 0, 0, 0, 1))
+    assert sorted(freqs[batch].tolist()) == [900, 1200, 1410]
+    assert sorted(configs[batch].tolist()) == [0, 1, 2]
+
+
+def test_per_frequency_pass_prefers_uncertain_settings_near_the_best():
+    # same predicted time just above the clock's best: the uncertain one may well beat it
+    cands = Candidates(np.arange(2), np.array([1410, 1410]), np.array([1.01, 1.01]),
+                       np.ones(2), np.array([0.001, 0.05]), np.zeros(2),
+                       np.array([[1.0, 0.1], [1.0, 0.2]]))
+    batch = select_batch(cands, np.array([1.0]), np.array([1.0]), np.array([1410]),
+                         np.array([[1.0, 0.3]]), 85.0, 1, (0, 0, 0, 0, 1))
+    assert batch == [1]

@@ -19,6 +19,7 @@ from kareus.partition import PartitionSet
 from kareus.profile import profile as profile_local
 from kareus.profile_ray import profile_ray
 from kareus.search.loop import SearchConfig, SearchResult
+from kareus.search.surrogate import SurrogateConfig
 from kareus.spec import JobSpec
 from kareus.store import Journal
 
@@ -79,7 +80,11 @@ def search(
     partition: Annotated[Optional[list[str]], typer.Option(
         "--partition", help="Partition key (repeatable; default: every partition).")] = None,
     strategy: Annotated[str, typer.Option(
-        "--strategy", help="mbo (default), random or exhaustive.")] = "mbo",
+        "--strategy", help="mbo (default), published (the published Kareus search: "
+                           "XGBoost ensembles, its four passes), random or exhaustive.")
+    ] = "mbo",
+    surrogate: Annotated[str, typer.Option(
+        "--surrogate", help="mbo's surrogate: gp (default) or xgboost.")] = "gp",
     budget: Annotated[int, typer.Option(
         "--budget", help="Samples per partition, journal samples included.")] = 100,
     initial: Annotated[Optional[int], typer.Option(
@@ -102,7 +107,7 @@ def search(
     keys = partition or ps.keys
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           initial=initial, batch_size=batch_size, tolerance=tolerance,
-                          patience=patience)
+                          patience=patience, surrogate=SurrogateConfig(kind=surrogate))
     check_prior(prior)
     for key in keys:  # unknown keys and bad settings fail before any work starts
         config.check(ps[key].knob_space_size(len(job.freqs_mhz)), prior != "none")

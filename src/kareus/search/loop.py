@@ -8,7 +8,7 @@ journal are reused, never measured again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,10 +22,12 @@ from kareus.partition import Partition
 from kareus.search.acquisition import Candidates, select_batch
 from kareus.search.design import initial_design
 from kareus.search.space import KnobSpace
-from kareus.search.surrogate import EnsembleSurrogate, SurrogateConfig
+from kareus.search.surrogate import Surrogate, SurrogateConfig, make_surrogate
 from kareus.store import JournalLike
 
-STRATEGIES = ("mbo", "random", "exhaustive")
+STRATEGIES = ("mbo", "published", "random", "exhaustive")
+"""mbo: ours; published: the same loop in the published Kareus configuration
+(`SearchConfig.as_published`); random; exhaustive."""
 
 Progress = Callable[[int, int], None]
 """progress(samples so far, budget)."""
@@ -44,7 +46,7 @@ class SearchConfig:
     initial: int | None = None
     """Initial design size (default 20; 10 with an emulator prior)."""
     batch_size: int = 10
-    shares: tuple[float, ...] = (0.3, 0.15, 0.1, 0.15, 0.3)
+    shares: tuple[float, ...] = (0.2, 0.1, 0.0, 0.1, 0.6)
     """Batch shares of the passes hv_total, hv_dynamic, fastest, uncertainty and
     per_frequency. The published system uses (0.4, 0.2, 0.2, 0.2, 0) with the "worst"
     reference (docs/anchors.md §4); ours reaches the frontier with fewer measurements
@@ -59,6 +61,17 @@ class SearchConfig:
     """Hypervolume passes score mean - optimism x std (the ensemble's spread), so a setting
     that might beat the front gets its chance; 0 scores the mean alone."""
     surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
+    incumbent: str = "model"
+    """What the passes improve on: "model", the surrogate's values of the measured settings
+    (ours), or "measured", the noisy measurements themselves (published)."""
+
+    def as_published(self) -> SearchConfig:
+        """The published system's search (docs/anchors.md §4), for parity: XGBoost ensembles,
+        the four passes 40/20/20/20 against 1.1 x the worst observed values, no optimism,
+        the noisy measurements as incumbents. Budget, seed, batches and stopping stay."""
+        return replace(self, strategy="published", shares=(0.4, 0.2, 0.2, 0.2, 0.0),
+                       reference="worst", optimism=0.0, incumbent="measured",
+                       surrogate=replace(self.surrogate, kind="xgboost"))
 
     def initial_size(self, with_prior: bool) -> int:
         if self.initial is not None:
@@ -75,13 +88,16 @@ class SearchConfig:
         init = self.initial_size(with_prior)
         if self.initial is not None and self.initial < 1:
             raise SpecError(f"the initial design needs at least 1 setting, got {self.initial}")
-        if self.strategy == "mbo" and self.budget < init:
+        if self.strategy in ("mbo", "published") and self.budget < init:
             raise SpecError(f"budget {self.budget} is smaller than the initial design ({init})")
         if self.batch_size < 1:
             raise SpecError(f"batch size must be positive, got {self.batch_size}")
         if not 4 <= len(self.shares) <= 5 or min(self.shares) < 0 or sum(self.shares) <= 0:
             raise SpecError("pass shares must be four or five non-negative numbers, not all "
                             "zero")
+        if self.incumbent not in ("model", "measured"):
+            raise SpecError(f"incumbent must be model or measured, got {self.incumbent!r}")
+        self.surrogate.check()
         if self.reference not in ("front", "worst"):
             raise SpecError(f"reference must be front or worst, got {self.reference!r}")
         if self.tolerance < 0 or self.patience < 1:
@@ -262,6 +278,8 @@ def run_search(partition: Partition, backend: Backend, freqs_mhz: tuple[int, ...
     """
     space = KnobSpace(partition, tuple(freqs_mhz), backend.gpu.max_freq_mhz)
     config.check(len(space), prior is not None)
+    if config.strategy == "published":
+        config = config.as_published()
     budget = len(space) if config.strategy == "exhaustive" else min(config.budget, len(space))
     rec = _Recorder(partition, backend, journal, job_id, budget, progress, record, agree)
     rec.preload(space)
@@ -300,6 +318,11 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
     features = space.features
     if prior_y is not None:
         features = np.column_stack([features, np.log(prior_y) - np.log(prior_y).mean(axis=0)])
+    # with a prior, the trees learn the ratio measured / predicted; the GP takes the
+    # prediction as an input of a linear kernel term beside its knob kernel, so it learns
+    # how far the GP follows the emulator and models the rest from the knobs (a GPU that
+    # differs in kind leaves a ratio as rough as the times themselves)
+    ratio_to_prior = prior_y is not None and config.surrogate.kind != "gp"
 
     init = min(config.initial_size(prior is not None), budget)
     missing = init - len(rec.samples)
@@ -316,6 +339,7 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
                     for s in rec.samples.values()], axis=0)
     history.append((len(rec.samples), _current_hv(rec, worst)))
     batch_no = 0
+    previous: Surrogate | None = None
     while len(rec.samples) < budget:
         measured = [space.index[k] for k in rec.samples]
         free = np.setdiff1d(np.arange(len(space)), measured)
@@ -324,17 +348,26 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
         y = np.array([(max(s.measurement.time_s, 1e-12),
                        max(s.measurement.dynamic_energy_j, 1e-12))
                       for s in (rec.samples[space.settings[i]] for i in measured)])
-        target = y / prior_y[measured] if prior_y is not None else y
-        model = EnsembleSurrogate(config.surrogate, seed=config.seed * 7919 + batch_no)
+        target = y / prior_y[measured] if ratio_to_prior and prior_y is not None else y
+        model = make_surrogate(config.surrogate, config.seed * 7919 + batch_no, previous,
+                               n_prior=2 if prior_y is not None and not ratio_to_prior else 0)
         model.fit(features[measured], target)
+        previous = model
         mean, std = model.predict(features[free])
-        if prior_y is not None:
+        if ratio_to_prior and prior_y is not None:
             mean, std = mean * prior_y[free], std * prior_y[free]
         freq = np.array([k.freq_mhz for k in space.settings])
         cands = Candidates(free, freq[free], mean[:, 0], mean[:, 1], std[:, 0], std[:, 1],
                            space.features[free], config.optimism)
         size = min(config.batch_size, budget - len(rec.samples))
-        batch = select_batch(cands, y[:, 0], y[:, 1], freq[measured],
+        incumbent = y
+        if config.incumbent == "model":
+            # what the surrogate believes the measured settings are: a measurement that
+            # came out 5% low by noise does not stand as a front nothing can improve on
+            incumbent, _ = model.predict(features[measured])
+            if ratio_to_prior and prior_y is not None:
+                incumbent = incumbent * prior_y[measured]
+        batch = select_batch(cands, incumbent[:, 0], incumbent[:, 1], freq[measured],
                              space.features[measured], static_w, size, config.shares,
                              config.reference)
         rec.measure([space.settings[i] for i in batch])

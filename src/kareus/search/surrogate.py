@@ -1,27 +1,62 @@
-"""Surrogate models: bootstrap ensembles of gradient-boosted trees (XGBoost).
+"""Surrogate models of a partition's settings: time and dynamic energy (total energy =
+dynamic + static power x time is derived, never learnt), both in log space.
 
-Two objectives are learnt, time and dynamic energy (total energy = dynamic + static power x
-time is derived, never learnt). Each objective gets ``n_models`` regressors, each fitted to
-a bootstrap resample; the ensemble mean is the prediction and its spread the uncertainty.
-Targets are learnt in log space and standardised, so both objectives weigh alike.
+Two kinds (`SurrogateConfig.kind`): "gp", a Gaussian process whose kernel follows the knob
+space's structure (search/gp.py, the default), and "xgboost", the published bootstrap
+ensemble of gradient-boosted trees: ``n_models`` regressors per objective, each fitted to a
+bootstrap resample, standardised log targets; the ensemble mean is the prediction and its
+spread the uncertainty.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+
+from kareus.errors import SpecError
+
+SURROGATES = ("gp", "xgboost")
+
+
+class Surrogate(Protocol):
+    def fit(self, X: np.ndarray, Y: np.ndarray) -> Surrogate:
+        """X: (n, d) `KnobSpace.features` rows (plus prior columns); Y: (n, k) positive
+        objectives."""
+        ...
+
+    def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Prediction and uncertainty of each objective, in the objectives' own units."""
+        ...
 
 
 @dataclass(frozen=True)
 class SurrogateConfig:
-    """Defaults are the published Kareus settings (docs/anchors.md §4)."""
+    """``kind`` "gp" (ours) or "xgboost"; the XGBoost settings are the published Kareus
+    ones (docs/anchors.md §4)."""
 
+    kind: str = "gp"
     n_models: int = 5
     max_depth: int = 6
     learning_rate: float = 0.3
     subsample: float = 0.8
     n_estimators: int = 100
+
+    def check(self) -> None:
+        if self.kind not in SURROGATES:
+            raise SpecError(f"unknown surrogate {self.kind!r}; known: {', '.join(SURROGATES)}")
+
+
+def make_surrogate(config: SurrogateConfig, seed: int,
+                   previous: Surrogate | None = None, n_prior: int = 0) -> Surrogate:
+    """A new surrogate; a GP starts its kernel fit from ``previous`` (the last batch's)."""
+    if config.kind == "gp":
+        from kareus.search.gp import KnobGPSurrogate
+
+        warm = previous if isinstance(previous, KnobGPSurrogate) else None
+        return KnobGPSurrogate(seed=seed, warm=warm, n_prior=n_prior)
+    return EnsembleSurrogate(config, seed=seed)
 
 
 class EnsembleSurrogate:
@@ -68,3 +103,4 @@ class EnsembleSurrogate:
         logy = preds * self._sigma + self._mu
         values = np.exp(logy)
         return values.mean(axis=0), values.std(axis=0)
+
