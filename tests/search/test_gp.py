@@ -98,3 +98,22 @@ def test_unknown_surrogate_is_a_spec_error():
 
     with pytest.raises(SpecError, match="unknown surrogate"):
         SurrogateConfig(kind="forest").check()
+
+
+def test_prior_columns_carry_what_the_knobs_cannot():
+    # times rough in the configuration (a random value per SM count and slot) that the
+    # prior knows up to a 10% scale and a clock-dependent tilt: with the prior's log
+    # predictions as the last columns, 25 points suffice; from the knobs alone they do not
+    f, n, s = _grid()
+    rng = np.random.default_rng(3)
+    rough = rng.uniform(1.0, 1.5, size=(31, 4))[n.astype(int), s.astype(int)]
+    t = (1410 / f) * rough
+    prior_t = 0.9 * t * (f / 1410) ** 0.1
+    X = np.column_stack([_knob_features(f, n, s), np.log(prior_t), np.log(prior_t)])
+    Y = np.column_stack([t, t])
+    seen = rng.choice(len(X), 25, replace=False)
+    with_prior = KnobGPSurrogate(seed=0, n_prior=2).fit(X[seen], Y[seen])
+    without = KnobGPSurrogate(seed=0).fit(X[seen, :-2], Y[seen])
+    err_with = np.mean(np.abs(with_prior.predict(X)[0][:, 0] / t - 1))
+    err_without = np.mean(np.abs(without.predict(X[:, :-2])[0][:, 0] / t - 1))
+    assert err_with < 0.005 and err_without > 0.02

@@ -134,44 +134,66 @@ def _true_ratio(truth, p, samples, quality):
 
 def test_mbo_beats_random_at_small_budgets():
     truth = EmulatorBackend(JOB)
-    p = PS["fwd_mlp"]
+    p = PS["bwd_attn"]
     q = _quality(truth, p)
     ratios = {"mbo": [], "random": []}
     for seed in range(3):
         for strategy in ratios:
-            r, _ = _search("fwd_mlp", seed=seed, strategy=strategy, budget=60)
+            r, _ = _search("bwd_attn", seed=seed, strategy=strategy, budget=60)
             ratios[strategy].append(_true_ratio(truth, p, r.samples, q))
-    # medians of 3 seeds at 60 samples on emulator v2: fwd_mlp 0.9935 vs random 0.9888,
-    # bwd_mlp 0.9920 vs 0.9907; on fwd_attn (0.9902 vs 0.9918) and bwd_attn (0.9914 vs
-    # 0.9923) MBO trails random since the limiter with memory (issue 15 works on the search)
+    # bwd_attn is where the XGBoost search trailed random on emulator v2 (0.9914 vs 0.9923
+    # at 60); benchmarks/search_efficiency.py has every partition
     assert np.median(ratios["mbo"]) > np.median(ratios["random"])
-    assert np.median(ratios["mbo"]) > 0.95
+    assert np.median(ratios["mbo"]) > 0.99
 
 
-def test_emulator_prior_needs_fewer_real_measurements():
-    # the "real" GPU: an emulator with other constants, noise on
-    params = default_params(JOB.gpu_spec)
+def test_published_configuration_is_selectable():
+    cfg = SearchConfig(budget=30, seed=3).as_published()
+    assert cfg.shares == (0.4, 0.2, 0.2, 0.2, 0.0) and cfg.reference == "worst"
+    assert cfg.surrogate.kind == "xgboost" and cfg.optimism == 0
+    assert cfg.incumbent == "measured" and cfg.budget == 30 and cfg.seed == 3
+    r, b = _search(strategy="published", budget=30)
+    assert r.strategy == "published" and len(b.calls) == 30
+    ours, _ = _search(budget=30)
+    assert [s.knobs for s in ours.samples][:20] == [s.knobs for s in r.samples][:20]  # design
+    assert [s.knobs for s in ours.samples] != [s.knobs for s in r.samples]
+
+
+def other_gpu_params():
+    """The emulator changed in kind, not scaled: a memoryless limiter, no interference
+    beyond SM loss, cuBLAS tiles planned for the whole GPU, a soft collective curve."""
     from dataclasses import replace
-    real_params = replace(params, gemm_efficiency=0.85, attention_efficiency=0.55,
-                          coll_cta_busbw_bytes_s=params.coll_cta_busbw_bytes_s * 0.8,
-                          sm_dynamic_power_w=params.sm_dynamic_power_w * 1.1,
-                          coll_clock_exponent=0.8)
+    return replace(default_params(JOB.gpu_spec), limiter_tau_s=0.0,
+                   interference_coefficient=0.0, gemm_tile_plan_sms=JOB.gpu_spec.sm_count,
+                   coll_smoothness=2.0)
+
+
+def test_emulator_prior_helps_on_a_gpu_it_does_not_describe():
+    real_params = other_gpu_params()
     truth = EmulatorBackend(JOB, params=real_params)
-    p = PS["bwd_mlp"]
+    p = PS["bwd_attn"]
     q = _quality(truth, p)
+    # the nominal emulator's own frontier is not the other GPU's
+    nominal = EmulatorBackend(JOB)
+    space = KnobSpace(p, JOB.freqs_mhz, 1410)
+    pred = np.array([(m.time_s, m.dynamic_energy_j) for m in
+                     (nominal.predict(p, k) for k in space.settings)])
+    from kareus.pareto import pareto_mask
+    front = [space.settings[i] for i in np.flatnonzero(pareto_mask(pred))]
+    assert q.ratio((m.time_s, m.dynamic_energy_j) for m in
+                   (truth.predict(p, k) for k in front)) < 0.97
     with_prior, without = [], []
     for seed in range(3):
-        cfg = SearchConfig(seed=seed, budget=20, tolerance=0)
+        cfg = SearchConfig(seed=seed, budget=40, tolerance=0)
         real = EmulatorBackend(JOB, params=real_params, noise=0.03, seed=seed)
         r = run_search(p, real, JOB.freqs_mhz, cfg, prior=EmulatorBackend(JOB))
         with_prior.append(_true_ratio(truth, p, r.samples, q))
         real = EmulatorBackend(JOB, params=real_params, noise=0.03, seed=seed)
         r = run_search(p, real, JOB.freqs_mhz, cfg)
         without.append(_true_ratio(truth, p, r.samples, q))
-    # the margin was 0.1 before backward linears became two kernels; on the new bwd_mlp
-    # landscape the search without a prior already reaches ~0.97 at 20 samples
+    # benchmarks/search_efficiency.py, 5 seeds at 40: 0.9958 with the prior, 0.9922 without
     assert np.median(with_prior) > np.median(without)
-    assert np.median(with_prior) > 0.85
+    assert np.median(with_prior) > 0.99
 
 
 def test_sigkill_mid_search_loses_no_stored_sample(tmp_path):

@@ -86,8 +86,9 @@ class OnColumns(Kernel):
 
 
 def knob_kernel(n_config: int = KNOB_COLUMNS - 1, n_prior: int = 0) -> Kernel:
-    """clock + configuration + clock x configuration + per-configuration offset + noise,
-    on standardised targets."""
+    """clock + configuration + clock x configuration + per-configuration offset
+    [+ linear in the prior's log predictions] + noise, on standardised targets. The noise
+    term comes last (`KnobGPSurrogate` splits it off as the outermost sum's second part)."""
     from sklearn.gaussian_process.kernels import (
         RBF,
         ConstantKernel,
@@ -97,6 +98,7 @@ def knob_kernel(n_config: int = KNOB_COLUMNS - 1, n_prior: int = 0) -> Kernel:
     )
 
     clock, config = (0,), tuple(range(1, 1 + n_config))
+    prior = tuple(range(1 + n_config, 1 + n_config + n_prior))
 
     def on_clock() -> Kernel:
         return OnColumns(Matern(1.0, (1e-2, 1e2), nu=2.5), clock)
@@ -107,14 +109,14 @@ def knob_kernel(n_config: int = KNOB_COLUMNS - 1, n_prior: int = 0) -> Kernel:
     # configurations differ by at least 1/20 in some column: a length of 0.01 leaves
     # exp(-12.5) between two of them, one for a configuration with itself
     offset = OnColumns(RBF(0.01, "fixed"), config)
-    return (ConstantKernel(1.0, (1e-3, 1e2)) * on_clock()
-            + ConstantKernel(1.0, (1e-3, 1e2)) * on_config()
-            + ConstantKernel(0.1, (1e-4, 1e2)) * on_clock() * on_config()
-            + ConstantKernel(1e-2, (1e-4, 1.0)) * offset
-            + (ConstantKernel(1.0, (1e-3, 1e2)) * OnColumns(
-                DotProduct(1.0, (1e-3, 1e2)), tuple(range(1 + n_config, 1 + n_config + n_prior)))
-               if n_prior else ConstantKernel(0.0, "fixed"))
-            + WhiteKernel(1e-2, (1e-5, 1.0)))
+    signal = (ConstantKernel(1.0, (1e-3, 1e2)) * on_clock()
+              + ConstantKernel(1.0, (1e-3, 1e2)) * on_config()
+              + ConstantKernel(0.1, (1e-4, 1e2)) * on_clock() * on_config()
+              + ConstantKernel(1e-2, (1e-4, 1.0)) * offset)
+    if prior:
+        signal = signal + ConstantKernel(1.0, (1e-3, 1e2)) * OnColumns(
+            DotProduct(1.0, (1e-3, 1e2)), prior)
+    return signal + WhiteKernel(1e-2, (1e-5, 1.0))
 
 
 class KnobGPSurrogate:
@@ -135,7 +137,17 @@ class KnobGPSurrogate:
         return np.column_stack(cols)
 
     def fit(self, X: np.ndarray, Y: np.ndarray) -> KnobGPSurrogate:
-        """X: (n, d) `KnobSpace.features` rows; Y: (n, k) positive objectives."""
+        """X: (n, d) `KnobSpace.features` rows (prior columns last); Y: (n, k) positive
+        objectives."""
+        from threadpoolctl import threadpool_limits
+
+        # one BLAS thread: partitions are searched in parallel processes already, and the
+        # same data must give the same fit in every process (bit for bit: the path of a
+        # search, hence the journal's rerun rule, depends on it)
+        with threadpool_limits(1):
+            return self._fit(X, Y)
+
+    def _fit(self, X: np.ndarray, Y: np.ndarray) -> KnobGPSurrogate:
         import warnings
 
         from sklearn.exceptions import ConvergenceWarning
@@ -163,8 +175,11 @@ class KnobGPSurrogate:
 
     def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Median and spread of each objective in its own units (log-normal, first order)."""
+        from threadpoolctl import threadpool_limits
+
         X = self._columns(X)
-        mus, sds = zip(*(fit.predict(X, return_std=True) for fit in self._fits))
+        with threadpool_limits(1):
+            mus, sds = zip(*(fit.predict(X, return_std=True) for fit in self._fits))
         mu, sd = np.column_stack(mus), np.column_stack(sds)
         values = np.exp(mu)
         return values, values * sd
