@@ -4,10 +4,11 @@ Passes: hypervolume improvement in (time, total energy); in (time, dynamic energ
 favours low clocks; fastest predicted time, i.e. (time, static energy), which favours high
 clocks; ensemble disagreement, preferring settings far from anything measured (the four
 published passes, 40/20/20/20); and ours, per_frequency: at most one setting per clock,
-where the expected improvement on that clock's best time is largest. Default
-shares: 30/15/10/15/30 (SearchConfig.shares). Within a hypervolume pass each pick is added to the
-front as if measured at its predicted value, so the next pick goes elsewhere. Whatever a
-pass cannot fill (no candidate improves the front) goes to the uncertainty pass.
+the surrogate's best guess where it beats the clock's best, else the largest expected
+improvement on it. Default shares: 20/10/0/10/60 (SearchConfig.shares). Within a
+hypervolume pass each pick is added to the front as if measured at its predicted value, so
+the next pick goes elsewhere. Whatever a pass cannot fill (no candidate improves the front)
+goes to the uncertainty pass.
 """
 
 from __future__ import annotations
@@ -116,13 +117,16 @@ def _hv_pass(cands, obs_t, obs_d, static_w, name, want, taken, reference) -> lis
 
 
 def _per_frequency_pass(cands, obs_t, obs_f, want, taken) -> list[int]:
-    """At most one setting per clock and one per configuration (SMs, slot): the largest
-    expected improvement on the best time at that clock (relative, the surrogate's spread
-    as a Gaussian); a clock nothing was measured at comes first. Dynamic energy hardly
-    depends on the other knobs at a fixed clock, so each clock's fastest setting is a
-    frontier point. One clock per configuration spreads a batch over configurations: the
-    fastest is often one SM count a few tenths of a percent ahead of its neighbours at every
-    clock (GEMM wave quantisation), which 3% noise hides unless many are tried."""
+    """At most one setting per clock. Dynamic energy hardly depends on the other knobs at a
+    fixed clock, so each clock's fastest setting is a frontier point.
+
+    First, every clock where the surrogate's fastest unmeasured setting is predicted to beat
+    the clock's best (incumbent) time takes it; one configuration (SMs, slot) may win at
+    many clocks. Then the largest expected improvement on a clock's best time (relative,
+    the surrogate's spread as a Gaussian; a clock nothing was measured at comes first),
+    with at most one clock per configuration: the fastest configuration is often one SM
+    count a few tenths of a percent ahead of its neighbours at every clock (GEMM wave
+    quantisation), which 3% noise hides unless many configurations are tried."""
     from scipy.stats import norm
 
     best: dict[float, float] = {}
@@ -134,18 +138,15 @@ def _per_frequency_pass(cands, obs_t, obs_f, want, taken) -> list[int]:
     z = np.where(known, (incumbent - cands.time_s) / sd, 0.0)
     gain = np.where(known, sd * (z * norm.cdf(z) + norm.pdf(z)) / cands.time_s, np.inf)
     gain[taken] = -np.inf
+    # first the clocks where the surrogate's own best guess beats the clock's best
+    beats = np.where(known, incumbent - cands.time_s, np.inf) > 0
     picks: list[int] = []
-    used: set = set()
-    # first the clocks where the surrogate's own best guess beats what was measured there:
-    # the same configuration may win at many clocks, so it may be taken at many
-    sure = np.where(known, incumbent - cands.time_s, np.inf) > 0
     for f in np.unique(cands.freq_mhz):
         at = np.flatnonzero((cands.freq_mhz == f) & ~taken)
         if len(at):
-            i = at[np.argmin(cands.time_s[at])]
-            if sure[i]:
-                picks.append(int(i))
-                used.add(f)
+            i = int(at[np.argmin(cands.time_s[at])])
+            if beats[i]:
+                picks.append(i)
     picks = sorted(picks, key=lambda i: -gain[i])[:want]
     used = {cands.freq_mhz[i] for i in picks}
     # then exploration by expected improvement, one clock per configuration

@@ -58,7 +58,7 @@ class SearchConfig:
     reference: str = "front"
     """Reference point of the hypervolume passes: "front" (ours) or "worst" (published)."""
     optimism: float = 0.5
-    """Hypervolume passes score mean - optimism x std (the ensemble's spread), so a setting
+    """Hypervolume passes score mean - optimism x std (the surrogate's spread), so a setting
     that might beat the front gets its chance; 0 scores the mean alone."""
     surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
     incumbent: str = "model"
@@ -320,7 +320,7 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
         features = np.column_stack([features, np.log(prior_y) - np.log(prior_y).mean(axis=0)])
     # with a prior, the trees learn the ratio measured / predicted; the GP takes the
     # prediction as an input of a linear kernel term beside its knob kernel, so it learns
-    # how far the GP follows the emulator and models the rest from the knobs (a GPU that
+    # how far the GPU follows the emulator and models the rest from the knobs (a GPU that
     # differs in kind leaves a ratio as rough as the times themselves)
     ratio_to_prior = prior_y is not None and config.surrogate.kind != "gp"
 
