@@ -21,6 +21,7 @@ from kareus.pareto import hypervolume, pareto_mask
 from kareus.partition import Partition
 from kareus.search.acquisition import Candidates, select_batch
 from kareus.search.design import initial_design
+from kareus.search.prior import prior_design, prior_values
 from kareus.search.space import KnobSpace
 from kareus.search.surrogate import Surrogate, SurrogateConfig, make_surrogate
 from kareus.store import JournalLike
@@ -314,7 +315,7 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
          rng: np.random.Generator, prior: CostModel | None,
          history: list[tuple[int, float]]) -> str:
     static_w = rec.backend.static_power_w
-    prior_y = _prior_values(space, prior) if prior is not None else None
+    prior_y = prior_values(space, prior) if prior is not None else None
     features = space.features
     if prior_y is not None:
         features = np.column_stack([features, np.log(prior_y) - np.log(prior_y).mean(axis=0)])
@@ -329,7 +330,7 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
     if missing > 0:
         measured_idx = {space.index[k] for k in rec.samples}
         if prior_y is not None:
-            idx = _prior_design(space, prior_y, missing, rng, measured_idx)
+            idx = prior_design(space, prior_y, missing, rng, measured_idx)
         else:
             idx = initial_design(space, missing, rng, measured_idx)
         rec.measure([space.settings[i] for i in idx])
@@ -379,24 +380,3 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
                 return "converged"
     return "budget"
 
-
-def _prior_values(space: KnobSpace, prior: CostModel) -> np.ndarray:
-    rows = []
-    for k in space.settings:
-        m = prior.predict(space.partition, k)
-        rows.append((max(m.time_s, 1e-12), max(m.dynamic_energy_j, 1e-12)))
-    return np.asarray(rows)
-
-
-def _prior_design(space: KnobSpace, prior_y: np.ndarray, n: int, rng: np.random.Generator,
-                  exclude: set[int]) -> list[int]:
-    """Half of the settings spread along the prior's predicted (time, dynamic energy)
-    frontier, half space-filling."""
-    pts = prior_y
-    front = [i for i in np.flatnonzero(pareto_mask(pts)) if i not in exclude]
-    front.sort(key=lambda i: pts[i, 0])
-    k = min(len(front), (n + 1) // 2)
-    picks = ([front[round(j)] for j in np.linspace(0, len(front) - 1, k)] if k else [])
-    picks = list(dict.fromkeys(picks))
-    rest = initial_design(space, n - len(picks), rng, exclude | set(picks))
-    return picks + rest
