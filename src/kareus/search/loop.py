@@ -323,7 +323,9 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
     # prediction as an input of a linear kernel term beside its knob kernel, so it learns
     # how far the GPU follows the emulator and models the rest from the knobs (a GPU that
     # differs in kind leaves a ratio as rough as the times themselves)
-    ratio_to_prior = prior_y is not None and config.surrogate.kind != "gp"
+    ratio_to = prior_y if config.surrogate.kind != "gp" else None
+    n_prior = 2 if prior_y is not None and ratio_to is None else 0
+    freq = np.array([k.freq_mhz for k in space.settings])
 
     init = min(config.initial_size(prior is not None), budget)
     missing = init - len(rec.samples)
@@ -349,25 +351,22 @@ def _mbo(space: KnobSpace, rec: _Recorder, config: SearchConfig, budget: int,
         y = np.array([(max(s.measurement.time_s, 1e-12),
                        max(s.measurement.dynamic_energy_j, 1e-12))
                       for s in (rec.samples[space.settings[i]] for i in measured)])
-        target = y / prior_y[measured] if ratio_to_prior and prior_y is not None else y
+        target = y / ratio_to[measured] if ratio_to is not None else y
         model = make_surrogate(config.surrogate, config.seed * 7919 + batch_no, previous,
-                               n_prior=2 if prior_y is not None and not ratio_to_prior else 0)
+                               n_prior=n_prior)
         model.fit(features[measured], target)
         previous = model
-        mean, std = model.predict(features[free])
-        if ratio_to_prior and prior_y is not None:
-            mean, std = mean * prior_y[free], std * prior_y[free]
-        freq = np.array([k.freq_mhz for k in space.settings])
-        cands = Candidates(free, freq[free], mean[:, 0], mean[:, 1], std[:, 0], std[:, 1],
-                           space.features[free], config.optimism)
+        # every setting at once: the unmeasured are the candidates, the measured the
+        # incumbents when the surrogate's values stand for them
+        mean, std = model.predict(features)
+        if ratio_to is not None:
+            mean, std = mean * ratio_to, std * ratio_to
+        cands = Candidates(free, freq[free], mean[free, 0], mean[free, 1], std[free, 0],
+                           std[free, 1], space.features[free], config.optimism)
         size = min(config.batch_size, budget - len(rec.samples))
-        incumbent = y
-        if config.incumbent == "model":
-            # what the surrogate believes the measured settings are: a measurement that
-            # came out 5% low by noise does not stand as a front nothing can improve on
-            incumbent, _ = model.predict(features[measured])
-            if ratio_to_prior and prior_y is not None:
-                incumbent = incumbent * prior_y[measured]
+        # "model": what the surrogate believes the measured settings are, so a measurement
+        # that came out 5% low by noise does not stand as a front nothing can improve on
+        incumbent = mean[measured] if config.incumbent == "model" else y
         batch = select_batch(cands, incumbent[:, 0], incumbent[:, 1], freq[measured],
                              space.features[measured], static_w, size, config.shares,
                              config.reference)
