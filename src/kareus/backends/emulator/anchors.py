@@ -41,15 +41,19 @@ class Anchor:
                 "rel_error": self.rel_error}
 
 
-def _backend(gpu: str, calibration: str | Path | None, plain_cublas: bool = False
+def _backend(gpu: str, calibration: str | Path | None, loop: bool = False
              ) -> EmulatorBackend:
-    """``plain_cublas``: GEMM tiles planned for the whole GPU even when a collective holds
-    some of its SMs, as in the published interference measurements (anchors §3)."""
+    """``loop``: as the published interference measurements (anchors §3) run, a GEMM timed
+    in a loop, alone and beside a collective that runs throughout. Plain cuBLAS plans its
+    tiles for the whole GPU even when a collective holds some of its SMs; and each loop's
+    intervals are all alike and far shorter than the power limiter's time constant, so its
+    steady clock is the one at which that interval's power fits the limit, as the
+    memoryless limiter sets it."""
     spec = get_gpu(gpu)
     # a calibration file fitted for another GPU must not be applied to this one
     params = load_params(spec, calibration if _for_gpu(calibration, spec.name) else None)
-    if plain_cublas:
-        params = replace(params, gemm_tile_plan_sms=spec.sm_count)
+    if loop:
+        params = replace(params, gemm_tile_plan_sms=spec.sm_count, limiter_tau_s=0.0)
     return EmulatorBackend(gpu=spec, params=params)
 
 
@@ -174,7 +178,7 @@ def comm_power_anchor(calibration=None) -> list[Anchor]:
 
 def overlap_anchor(calibration=None) -> list[Anchor]:
     out = []
-    h100 = _loop_backend("H100-SXM", calibration)
+    h100 = _backend("H100-SXM", calibration, loop=True)
     # 12 x 11 tiles of 128 x 256: exactly 132 CTAs, one wave
     g = gemm("gemm_132_ctas", 12 * 128, 11 * 256, 8192)
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
@@ -182,7 +186,7 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
     gemm_time = _compute_stream_time(h100, (g,), ag, 24)
     out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "anchors §3",
                       "x", 2.0, gemm_time / alone.time_s))
-    h200 = _loop_backend("H200", calibration)
+    h200 = _backend("H200", calibration, loop=True)
     g = gemm("gemm_8192x3072x3072", 8192, 3072, 3072)
     alone_s = h200.predict_ops((g,), 1980).time_s
     sr = Collective("sendrecv", "send_recv", "pp", 2, float(256 * MiB))
@@ -193,15 +197,6 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
         out.append(Anchor(f"H200 8192x3072x3072 GEMM under {name}, slowdown", "anchors §3",
                           "x", published, t / alone_s))
     return out
-
-
-def _loop_backend(gpu: str, calibration: str | Path | None) -> EmulatorBackend:
-    """The published interference measurements (anchors §3) time a GEMM in a loop, alone
-    and beside a collective that runs throughout: each loop's intervals are all alike and
-    far shorter than the power limiter's time constant, so its steady clock is the one at
-    which that interval's power fits the limit, as the memoryless limiter sets it."""
-    b = _backend(gpu, calibration, plain_cublas=True)
-    return EmulatorBackend(gpu=b.gpu, params=replace(b.params, limiter_tau_s=0.0))
 
 
 def _compute_stream_time(b: EmulatorBackend, ops, coll: Collective, sms: int) -> float:

@@ -23,10 +23,6 @@ class LimiterState:
     cap_mhz: float
     since_tick_s: float = 0.0
 
-    def key(self) -> tuple[float, float, float]:
-        """Rounded, for caching runs that start from nearly the same state."""
-        return (round(self.avg_power_w, 0), self.cap_mhz, round(self.since_tick_s, 5))
-
 
 class PowerLimiter:
     """Board power limit on power averaged over ``tau_s`` (exponential average), acting

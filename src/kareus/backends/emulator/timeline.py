@@ -199,9 +199,7 @@ class Timeline:
         runs = 0
         while total[0] < self.MEASURE_TAUS * lim.tau_s or runs < 1:
             r = self.run(*args, state=st)
-            for i, v in enumerate((r.time_s, r.energy_j, r.freq_time_mhz_s, r.compute_end_s,
-                                   r.overlap_s)):
-                total[i] += v
+            total = [a + b for a, b in zip(total, _fields(r), strict=True)]
             runs += 1
         return RunResult(*(v / runs for v in total))
 
