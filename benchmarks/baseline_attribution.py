@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import kareus.partition as partition
+import kareus.workload.partition as partition
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.backends.emulator.params import EmulatorParams, default_params
-from kareus.methods import baseline_plan
-from kareus.sources import build_job
-from kareus.spec import JobSpec
+from kareus.job.sources import build_job
+from kareus.job.spec import JobSpec
+from kareus.plans.methods import baseline_plan
 from kareus.workload.ops import Collective, Op
 
 

@@ -17,10 +17,10 @@ import time
 from kareus.backends.emulator import EmulatorBackend
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import solve_frontier
-from kareus.methods import get_method
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
+from kareus.plans.methods import get_method
 from kareus.search import SearchConfig, run_search
-from kareus.sources import build_job
+from kareus.workload.partition import PartitionSet
 
 
 def main() -> None:

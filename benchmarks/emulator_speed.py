@@ -15,9 +15,9 @@ import time
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.core import Knobs
-from kareus.methods import baseline_plan
-from kareus.partition import PartitionSet
-from kareus.sources import build_job
+from kareus.job.sources import build_job
+from kareus.plans.methods import baseline_plan
+from kareus.workload.partition import PartitionSet
 
 
 def _median_s(fn, repeats: int) -> float:

@@ -73,9 +73,9 @@ def _reach(prefix, target=TARGET):
 def run_case(args):
     preset, key, seed, perturbed, strategy = args
     from kareus.backends.emulator import EmulatorBackend
-    from kareus.partition import PartitionSet
+    from kareus.job.sources import build_job
     from kareus.search import SearchConfig, run_search
-    from kareus.sources import build_job
+    from kareus.workload.partition import PartitionSet
 
     job = build_job(preset)
     p = PartitionSet.from_job(job)[key]
@@ -131,8 +131,8 @@ def main() -> None:
                          "Kareus configuration)")
     ap.add_argument("--out", help="write every figure as JSON here")
     args = ap.parse_args()
-    from kareus.partition import PartitionSet
-    from kareus.sources import build_job
+    from kareus.job.sources import build_job
+    from kareus.workload.partition import PartitionSet
 
     cases = []
     for preset in args.jobs.split(","):

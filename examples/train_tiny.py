@@ -32,13 +32,13 @@ except ImportError:
     sys.exit(2)
 
 from kareus.core import PartitionSetting
-from kareus.execution import ExecutionPlan
-from kareus.partition import Partition, PartitionSet
+from kareus.job.sources import build_job
+from kareus.plans.execution import ExecutionPlan
 from kareus.runtime.frequency_controller import FrequencyController
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.model import LlamaLayer
 from kareus.runtime.primitives import rmsnorm
-from kareus.sources import build_job
+from kareus.workload.partition import Partition, PartitionSet
 
 HIDDEN, HEADS, KV, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 128, 97, 2
 SEQ, MBS, MICROBATCHES = 32, 4, 2
@@ -77,8 +77,8 @@ def layer_plan(parts: dict[str, Partition], plan_file: str | None
     """The layers' partition settings (those of the first microbatch's forward) and the
     plan the frequency controller follows: from a Kareus plan file, or a built-in one."""
     if plan_file:
-        from kareus.jsonfile import read_json_object
-        from kareus.plan import Plan
+        from kareus.core.jsonfile import read_json_object
+        from kareus.plans.plan import Plan
 
         p = Plan.from_dict(read_json_object(plan_file, "plan")).execution
         return LayerPlan.from_plan(p, parts), p
@@ -139,9 +139,9 @@ def main() -> None:
                          "temporary directory)")
     args = ap.parse_args()
     if args.plan:  # a bad plan file is one line here, not a traceback in every worker
+        from kareus.core.jsonfile import read_json_object
         from kareus.errors import KareusError
-        from kareus.jsonfile import read_json_object
-        from kareus.plan import Plan
+        from kareus.plans.plan import Plan
 
         try:
             Plan.from_dict(read_json_object(args.plan, "plan"))

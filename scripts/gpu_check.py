@@ -42,12 +42,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kareus.atomic import write_text_atomic
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.nvml import NvmlBackend
 from kareus.compose.instruction import InstructionOption, KeyOption
 from kareus.compose.options import Composer, KeyFrontiers, key_frontiers
 from kareus.core import Knobs, Measurement, MeasurementProtocol
+from kareus.core.atomic import write_text_atomic
 from kareus.errors import KareusError, SpecError
 from kareus.gpu.check import (
     CHECK_SCHEMA_VERSION,
@@ -65,10 +65,10 @@ from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import FakeDevice, GPUDevice, ZeusDevice
 from kareus.gpu.kernels import build_kernels, import_torch, stand_in_collective
 from kareus.gpu.partition_runner import PartitionRunner
-from kareus.methods import Method, get_method
-from kareus.partition import PartitionSet
-from kareus.sources import build_job
-from kareus.spec import JobSpec
+from kareus.job.sources import build_job
+from kareus.job.spec import JobSpec
+from kareus.plans.methods import Method, get_method
+from kareus.workload.partition import PartitionSet
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "kareus-1"

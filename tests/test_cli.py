@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kareus.presets import MODEL_PRESETS
+from kareus.job.presets import MODEL_PRESETS
 from tests.conftest import run_cli
 
 

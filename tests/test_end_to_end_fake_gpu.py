@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.plan import Plan
+from kareus.plans.plan import Plan
 from kareus.store import Journal, job_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def _kareus(*args: str) -> subprocess.CompletedProcess:
 
 
 def _one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
-    """The 1F1B order of one stage, written out independently of kareus.schedule."""
+    """The 1F1B order of one stage, written out independently of kareus.plans.schedule."""
     warmup = min(stages - stage - 1, microbatches)
     order = [("forward", m) for m in range(warmup)]
     f, b = warmup, 0

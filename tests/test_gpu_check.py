@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 from kareus.core import DIRECTIONS  # noqa: E402
 from kareus.gpu.check import ops_request  # noqa: E402
 from kareus.gpu.device import FakeDevice  # noqa: E402
-from kareus.methods import display_name  # noqa: E402
-from kareus.partition import PartitionSet  # noqa: E402
-from kareus.sources import build_job  # noqa: E402
+from kareus.job.sources import build_job  # noqa: E402
+from kareus.plans.methods import display_name  # noqa: E402
+from kareus.workload.partition import PartitionSet  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 

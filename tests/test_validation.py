@@ -13,10 +13,10 @@ from kareus.backends.factory import plan_simulator
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
 from kareus.core import Knobs, Measurement
-from kareus.methods import get_method
-from kareus.optimize import _plans
-from kareus.partition import Partition, PartitionSet
-from kareus.sources import build_job
+from kareus.job.sources import build_job
+from kareus.plans.methods import get_method
+from kareus.workflows.optimize import _plans
+from kareus.workload.partition import Partition, PartitionSet
 
 JOB = build_job("kareus-1", overrides={"search_freqs_mhz": (1410, 1200),
                                        "sm_choices_all_reduce": (6, 18, 30)})

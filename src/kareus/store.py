@@ -23,7 +23,7 @@ from typing import Protocol
 from kareus.core import Knobs, Measurement
 from kareus.core.measurement import FIELDS
 from kareus.errors import KareusError
-from kareus.spec import JobSpec
+from kareus.job.spec import JobSpec
 
 JOURNAL_SCHEMA_VERSION = 1
 
@@ -104,7 +104,7 @@ class StoredSample:
 class JournalLike(Protocol):
     """What measuring code (the search loop, `JournaledBackend`) asks of a journal:
     `Journal`, or a stand-in on a machine that cannot open it (a Ray rank's proxy that
-    reads a snapshot and sends its writes to the driver, `kareus.profile_ray`)."""
+    reads a snapshot and sends its writes to the driver, `kareus.workflows.profile_ray`)."""
 
     def register_backend(self, identity: str, info: dict[str, object]) -> None: ...
 

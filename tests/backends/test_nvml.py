@@ -9,10 +9,10 @@ from kareus.core import Knobs, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import FakeDevice
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
 from kareus.search import SearchConfig, run_search
-from kareus.sources import build_job
 from kareus.store import Journal, job_id
+from kareus.workload.partition import PartitionSet
 from tests.gpu.test_kernels import TINY
 
 FAST = MeasurementProtocol(window_s=0.005, cooldown_s=0.0, settle_s=0.0)

@@ -8,12 +8,12 @@ from kareus.backends.journaled import JournaledBackend
 from kareus.backends.replay import MissingMeasurement, ReplayBackend
 from kareus.core import Knobs
 from kareus.errors import KareusError
-from kareus.executors import ExecutorSpec
-from kareus.optimize import optimize
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
 from kareus.search import SearchConfig
-from kareus.sources import build_job
 from kareus.store import Journal
+from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.optimize import optimize
+from kareus.workload.partition import PartitionSet
 
 JOB = build_job("kareus-1", overrides={"num_microbatches": 4,
                                        "search_freqs_mhz": (1410, 1200, 1005)})

@@ -8,10 +8,10 @@ from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
 from kareus.compose.plans import to_execution_plan
 from kareus.core import PartitionSetting
 from kareus.errors import SpecError
-from kareus.methods import get_method
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
+from kareus.plans.methods import get_method
 from kareus.search import SearchConfig, run_search
-from kareus.sources import build_job
+from kareus.workload.partition import PartitionSet
 
 
 def _c(n):

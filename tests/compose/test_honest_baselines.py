@@ -5,10 +5,10 @@ import pytest
 from kareus.backends.emulator import EmulatorBackend
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import evaluate, solve_frontier
-from kareus.methods import all_methods, get_method
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
+from kareus.plans.methods import all_methods, get_method
 from kareus.search import SearchConfig, run_search
-from kareus.sources import build_job
+from kareus.workload.partition import PartitionSet
 
 
 @pytest.fixture(scope="module", params=["kareus-1", "kareus-2"])

@@ -4,9 +4,9 @@ torch = pytest.importorskip("torch")
 
 from kareus.gpu.kernels import build_kernel, build_kernels, stand_in_collective  # noqa: E402
 from kareus.gpu.partition_runner import PartitionRunner  # noqa: E402
-from kareus.partition import PartitionSet  # noqa: E402
-from kareus.sources import build_job  # noqa: E402
+from kareus.job.sources import build_job  # noqa: E402
 from kareus.workload.layer import LayerShapes  # noqa: E402
+from kareus.workload.partition import PartitionSet  # noqa: E402
 
 TINY = dict(model=dict(name="tiny", hidden_size=256, num_layers=4, num_attention_heads=4,
                        num_kv_heads=2, head_dim=64, ffn_hidden_size=512, vocab_size=1000),

@@ -11,8 +11,8 @@ pytest.importorskip("torch")
 import itertools
 
 from kareus.core import PartitionSetting
-from kareus.execution import ExecutionPlan
-from kareus.plan import Plan
+from kareus.plans.execution import ExecutionPlan
+from kareus.plans.plan import Plan
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny.py"
 

@@ -1,6 +1,6 @@
-from kareus.execution import ExecutionPlan
+from kareus.plans.execution import ExecutionPlan
+from kareus.plans.schedule import one_f_one_b
 from kareus.runtime.frequency_controller import FrequencyController
-from kareus.schedule import one_f_one_b
 
 
 def _plan(pp=2, mbs=6):

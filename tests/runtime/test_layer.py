@@ -8,10 +8,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
-from kareus.partition import PartitionSet  # noqa: E402
+from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.runtime.model import LlamaLayer  # noqa: E402
-from kareus.sources import build_job  # noqa: E402
+from kareus.workload.partition import PartitionSet  # noqa: E402
 
 SHAPE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128)
 JOB = build_job(overrides=dict(

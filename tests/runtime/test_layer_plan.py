@@ -1,10 +1,10 @@
 """LayerPlan: what the overlapped layer takes of a plan. No torch needed."""
 
 from kareus.core import LAUNCH_FIRST, PartitionSetting
-from kareus.execution import ExecutionPlan
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
+from kareus.plans.execution import ExecutionPlan
 from kareus.runtime.layer_plan import LayerPlan, layer_plan_for
-from kareus.sources import build_job
+from kareus.workload.partition import PartitionSet
 
 JOB = build_job(overrides=dict(
     model=dict(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4,

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kareus.pareto import hypervolume, hypervolume_improvements
+from kareus.core.pareto import hypervolume, hypervolume_improvements
 from kareus.search.acquisition import Candidates, pass_counts, select_batch
 
 

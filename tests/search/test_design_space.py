@@ -4,11 +4,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
 from kareus.search.design import initial_design
 from kareus.search.space import KnobSpace
 from kareus.search.surrogate import EnsembleSurrogate, SurrogateConfig
-from kareus.sources import build_job
+from kareus.workload.partition import PartitionSet
 
 JOB = build_job("kareus-2")
 PS = PartitionSet.from_job(JOB)

@@ -12,12 +12,12 @@ import pytest
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.params import default_params
 from kareus.errors import SpecError
-from kareus.partition import PartitionSet
+from kareus.job.sources import build_job
 from kareus.search import SearchConfig, run_search
 from kareus.search.quality import FrontierQuality
 from kareus.search.space import KnobSpace
-from kareus.sources import build_job
 from kareus.store import Journal, job_id
+from kareus.workload.partition import PartitionSet
 
 JOB = build_job("kareus-1")
 PS = PartitionSet.from_job(JOB)
@@ -178,7 +178,7 @@ def test_emulator_prior_helps_on_a_gpu_it_does_not_describe():
     space = KnobSpace(p, JOB.freqs_mhz, 1410)
     pred = np.array([(m.time_s, m.dynamic_energy_j) for m in
                      (nominal.predict(p, k) for k in space.settings)])
-    from kareus.pareto import pareto_mask
+    from kareus.core.pareto import pareto_mask
     front = [space.settings[i] for i in np.flatnonzero(pareto_mask(pred))]
     assert q.ratio((m.time_s, m.dynamic_energy_j) for m in
                    (truth.predict(p, k) for k in front)) < 0.97

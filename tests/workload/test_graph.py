@@ -1,6 +1,6 @@
 import pytest
 
-from kareus.sources import build_job
+from kareus.job.sources import build_job
 from kareus.workload.graph import ExecutionGraph, layer_params
 
 
@@ -113,7 +113,7 @@ def test_lm_head_and_embedding_on_the_right_stages():
 
 
 def test_cp_attention_runs_as_two_chunks_per_rank():
-    from kareus.sources import build_job
+    from kareus.job.sources import build_job
     from kareus.workload.graph import ExecutionGraph
 
     job = build_job("kareus-2")  # CP2 + TP4, seq 4096

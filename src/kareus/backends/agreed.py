@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 
 from kareus.backends.base import Backend, WrappedBackend
 from kareus.core import Knobs, Measurement
-from kareus.partition import Partition
 from kareus.workload.ops import Op
+from kareus.workload.partition import Partition
 
 Agree = Callable[[Measurement], Measurement]
 

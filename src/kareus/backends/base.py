@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from kareus.core import Knobs, Measurement, MeasurementProtocol
-from kareus.execution import ExecutionPlan
-from kareus.hardware import GPUSpec
-from kareus.partition import Partition
+from kareus.job.hardware import GPUSpec
+from kareus.plans.execution import ExecutionPlan
 from kareus.workload.ops import Op
+from kareus.workload.partition import Partition
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ from kareus.backends.base import Backend, CostModel, PlanSimulator
 from kareus.core import MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.gpu.device import GPUDevice
-from kareus.spec import JobSpec
+from kareus.job.spec import JobSpec
 from kareus.workload.ops import Collective
 
 BACKENDS = ("emulator", "nvml", "replay", "fakegpu")
@@ -172,7 +172,7 @@ def plan_simulator(job: JobSpec, calibration: str | Path | None = None) -> PlanS
     """The emulator's whole-iteration simulation, noise-free."""
     from kareus.backends.emulator import EmulatorBackend
     from kareus.backends.emulator.iteration import IterationSimulator
-    from kareus.partition import PartitionSet
+    from kareus.workload.partition import PartitionSet
 
     return IterationSimulator(PartitionSet.from_job(job),
                               EmulatorBackend(job, calibration=calibration))

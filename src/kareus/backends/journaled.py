@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from kareus.backends.base import Backend, WrappedBackend, backend_info
 from kareus.backends.needs import PLACEHOLDER, Need
 from kareus.core import Knobs, Measurement
-from kareus.partition import Partition
 from kareus.store import JournalLike
 from kareus.workload.ops import Op, ops_signature
+from kareus.workload.partition import Partition
 
 MeasuredHook = Callable[[Need], None]
 """Called after each measurement taken (not found in the journal)."""

@@ -31,10 +31,10 @@ from kareus.gpu.kernels import (
     stand_in_collective,
 )
 from kareus.gpu.partition_runner import PartitionRunner
-from kareus.partition import Partition
-from kareus.spec import JobSpec
+from kareus.job.spec import JobSpec
 from kareus.workload.layer import LayerShapes
 from kareus.workload.ops import Collective, Op
+from kareus.workload.partition import Partition
 
 CollectiveFactory = Callable[[Collective, int], Callable[[], object]]
 """Builds a real collective at an SM count (`kareus.gpu.nccl.NcclCollectives`)."""

@@ -18,11 +18,11 @@ from kareus.backends.base import Backend
 from kareus.backends.needs import PLACEHOLDER, Need
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError
-from kareus.hardware import GPUSpec
-from kareus.partition import Partition
-from kareus.spec import JobSpec
+from kareus.job.hardware import GPUSpec
+from kareus.job.spec import JobSpec
 from kareus.store import Journal, job_id
 from kareus.workload.ops import Op, ops_signature
+from kareus.workload.partition import Partition
 
 
 class MissingMeasurement(KareusError):

@@ -16,7 +16,7 @@ from kareus.backends.factory import BackendSpec, open_backend
 from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.cli.options import with_backend
 from kareus.errors import KareusError
-from kareus.sources import build_job
+from kareus.job.sources import build_job
 
 
 @app.command()

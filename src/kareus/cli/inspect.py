@@ -9,14 +9,14 @@ from kareus import SCHEMA_VERSION
 from kareus.cli.app import JsonFlag, app, console, print_json
 from kareus.cli.app import table as make_table
 from kareus.cli.job import with_job
-from kareus.hardware import get_gpu, gpu_names
-from kareus.memory import check_fits
-from kareus.partition import PartitionSet
-from kareus.presets import JOB_PRESETS, MODEL_PRESETS
-from kareus.sources import build_job
-from kareus.spec import JobSpec
+from kareus.job.hardware import get_gpu, gpu_names
+from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS
+from kareus.job.sources import build_job
+from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
+from kareus.workload.memory import check_fits
 from kareus.workload.ops import Collective
+from kareus.workload.partition import PartitionSet
 
 
 def _gflop(x: float) -> str:

@@ -6,8 +6,8 @@ import typer
 
 from kareus.cli.options import injects
 from kareus.errors import SpecError
-from kareus.sources import build_job
-from kareus.spec import JobSpec
+from kareus.job.sources import build_job
+from kareus.job.spec import JobSpec
 
 _PANEL = "Job"
 

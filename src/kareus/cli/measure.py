@@ -20,13 +20,13 @@ from kareus.cli.app import (
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend
 from kareus.core import Knobs
+from kareus.core.pareto import pareto_mask
 from kareus.errors import KareusError
-from kareus.methods import get_method
-from kareus.pareto import pareto_mask
-from kareus.partition import PartitionSet
+from kareus.job.spec import JobSpec
+from kareus.plans.methods import get_method
 from kareus.search.loop import SearchConfig, run_search
 from kareus.search.space import KnobSpace
-from kareus.spec import JobSpec
+from kareus.workload.partition import PartitionSet
 
 
 class _SweepPoint(TypedDict):

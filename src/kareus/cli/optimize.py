@@ -11,18 +11,18 @@ from kareus.cli.app import JsonFlag, app, console, pct, print_json, stderr_conso
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.cli.search import ProgressBars
-from kareus.compare import run_suite
-from kareus.executors import ExecutorSpec
-from kareus.methods import display_name
-from kareus.optimize import check_optimize
-from kareus.optimize import optimize as run_optimize
-from kareus.partition import PartitionSet
-from kareus.profile import profile as run_profile
-from kareus.result import OptimizeResult
-from kareus.resultdir import ResultDir
+from kareus.job.spec import JobSpec
+from kareus.plans.methods import display_name
+from kareus.results.result import OptimizeResult
+from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig
-from kareus.sensitivity import CONSTANTS, SensitivitySpec
-from kareus.spec import JobSpec
+from kareus.workflows.compare import run_suite
+from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.optimize import check_optimize
+from kareus.workflows.optimize import optimize as run_optimize
+from kareus.workflows.profile import profile as run_profile
+from kareus.workflows.sensitivity import CONSTANTS, SensitivitySpec
+from kareus.workload.partition import PartitionSet
 
 
 @app.command()

@@ -11,7 +11,7 @@ import typer
 
 from kareus.backends.factory import BackendSpec
 from kareus.core import MeasurementProtocol
-from kareus.executors import ExecutorSpec
+from kareus.workflows.executors import ExecutorSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -5,7 +5,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kareus.cli.app import JsonFlag, app, console, print_json, table
-from kareus.perseus import import_perseus as run_import
+from kareus.workflows.perseus import import_perseus as run_import
 
 MAX_ROWS = 15
 

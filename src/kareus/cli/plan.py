@@ -9,11 +9,11 @@ import typer
 
 from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.errors import KareusError
-from kareus.export import export_plan
-from kareus.methods import get_method
-from kareus.plan import Plan, objective_of, select
-from kareus.report import timeline_figure
-from kareus.resultdir import ResultDir
+from kareus.plans.export import export_plan
+from kareus.plans.methods import get_method
+from kareus.plans.plan import Plan, objective_of, select
+from kareus.results.report import timeline_figure
+from kareus.results.resultdir import ResultDir
 
 plan_app = typer.Typer(help="Choose a plan from a result, or export one.")
 app.add_typer(plan_app, name="plan")

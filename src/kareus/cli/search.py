@@ -14,14 +14,14 @@ from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, t
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.errors import KareusError, SpecError
-from kareus.executors import ExecutorSpec, SearchTask, make_task, run_tasks
-from kareus.partition import PartitionSet
-from kareus.profile import profile as profile_local
-from kareus.profile_ray import profile_ray
+from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult
 from kareus.search.surrogate import SurrogateConfig
-from kareus.spec import JobSpec
 from kareus.store import Journal
+from kareus.workflows.executors import ExecutorSpec, SearchTask, make_task, run_tasks
+from kareus.workflows.profile import profile as profile_local
+from kareus.workflows.profile_ray import profile_ray
+from kareus.workload.partition import PartitionSet
 
 
 class ProgressBars:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kareus.core import PartitionSetting
-from kareus.pareto import pareto_mask
+from kareus.core.pareto import pareto_mask
 
 
 @dataclass(frozen=True)

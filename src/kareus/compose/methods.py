@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from kareus.compose.options import Composer, KeyFrontiers
 from kareus.compose.pipeline import PipelinePoint, merge_frontiers, solve_frontier
-from kareus.methods import Method
+from kareus.plans.methods import Method
 
 
 def method_frontiers(composer: Composer, methods: Sequence[Method],

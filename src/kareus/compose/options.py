@@ -1,6 +1,6 @@
 """Instruction options of every method, on one backend, for one job.
 
-Each method record (kareus.methods) names the clocks its instructions may run at and the
+Each method record (kareus.plans.methods) names the clocks its instructions may run at and the
 sources of its options at each clock:
 
 - ``sequential``: the Megatron-LM execution (microbatch not split, every collective
@@ -24,8 +24,8 @@ from kareus.compose.instruction import InstructionOption, KeyOption, combine, pa
 from kareus.compose.pipeline import PipelineCosts
 from kareus.core import DIRECTIONS, ZERO, Knobs, Measurement, PartitionSetting
 from kareus.errors import SpecError
-from kareus.methods import Method
-from kareus.partition import PartitionSet, Step
+from kareus.plans.methods import Method
+from kareus.workload.partition import PartitionSet, Step
 
 KeyFrontiers = dict[str, dict[int, list[KeyOption]]]
 """Per partition key, per clock: Pareto options from the search."""
@@ -151,7 +151,7 @@ class Composer:
         job, b = self.ps.job, self.backend
         act, grad, end, fixed = [], [], [], []
         for g in self.ps.graph.stages:
-            # each transfer once, on the sender (kareus.schedule: both ends wait for it)
+            # each transfer once, on the sender (kareus.plans.schedule: both ends wait for it)
             sends = {t.name: b.measure_ops((t,), self.f_max) for t in g.transfers}
             act.append(sends["send_activation"].time_s if g.send_activation else 0.0)
             grad.append(sends["send_grad"].time_s if g.send_grad else 0.0)

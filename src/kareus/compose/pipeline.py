@@ -23,7 +23,7 @@ from kareus.compose.instruction import InstructionOption, pareto_front
 from kareus.compose.slack import fill_slack
 from kareus.core import InstructionId
 from kareus.errors import KareusError
-from kareus.schedule import one_f_one_b, schedule, sends_after
+from kareus.plans.schedule import one_f_one_b, schedule, sends_after
 
 
 @dataclass(frozen=True)

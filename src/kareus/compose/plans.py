@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from kareus.compose.instruction import InstructionOption
 from kareus.compose.pipeline import PipelineCosts, PipelinePoint
 from kareus.core import LAUNCH_FIRST, InstructionId, PartitionSetting
-from kareus.execution import ExecutionPlan
-from kareus.plan import TimelineEntry
-from kareus.schedule import latest_finish, schedule, sends_after
+from kareus.plans.execution import ExecutionPlan
+from kareus.plans.plan import TimelineEntry
+from kareus.plans.schedule import latest_finish, schedule, sends_after
 
 
 def to_execution_plan(name: str, picks: Mapping[InstructionId, InstructionOption],

@@ -6,7 +6,7 @@ left wherever the solve put them, and its two ends are uniform plans (every inst
 its fastest or its slowest option). So a frontier point can spend energy that buys no time:
 on kareus-1 Perseus's fastest point ran every instruction at max clock. This pass takes a
 plan and, while some instruction's float (how much later it may finish without delaying the
-iteration, kareus.schedule.latest_finish) covers a slower option of that instruction, moves
+iteration, kareus.plans.schedule.latest_finish) covers a slower option of that instruction, moves
 it to the slowest such option. Options are Pareto-sorted, so each move lowers the energy and
 none lengthens the iteration; the pass ends when no instruction can move.
 
@@ -15,14 +15,14 @@ round of the exact pass therefore applies the longest prefix of its moves (large
 first) that keeps the iteration time, found by bisection (more moves can only lengthen the
 iteration), then recomputes the floats. It is preceded by a fast pass that moves every
 instruction at once within its free float (growth that moves no other start,
-kareus.schedule.free_float), which is safe in bulk.
+kareus.plans.schedule.free_float), which is safe in bulk.
 """
 
 from __future__ import annotations
 
 from kareus.compose.instruction import InstructionOption
 from kareus.core import InstructionId
-from kareus.schedule import free_float, latest_finish, schedule
+from kareus.plans.schedule import free_float, latest_finish, schedule
 
 _TOLERANCE = 1e-12
 

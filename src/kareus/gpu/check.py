@@ -17,9 +17,9 @@ from typing import Any
 
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError
-from kareus.hardware import GPUSpec, gpu_names
-from kareus.partition import Partition
+from kareus.job.hardware import GPUSpec, gpu_names
 from kareus.workload.ops import Op, ops_signature
+from kareus.workload.partition import Partition
 
 CHECK_SCHEMA_VERSION = 1
 

@@ -20,10 +20,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from kareus.errors import KareusError
-from kareus.partition import Partition
-from kareus.spec import JobSpec
+from kareus.job.spec import JobSpec
 from kareus.workload.layer import LayerShapes
 from kareus.workload.ops import ComputeOp
+from kareus.workload.partition import Partition
 
 if TYPE_CHECKING:
     import torch as torch_types

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kareus.errors import KareusError
-from kareus.execution import ExecutionPlan
+from kareus.plans.execution import ExecutionPlan
 
 Message = tuple[str, int, int] | None
 """(direction, microbatch, MHz), or None: stop."""

@@ -1,7 +1,7 @@
 """What the overlapped layer needs of a plan: per partition key, the collective's setting
 (SMs and launch slot) and the compute op each slot names.
 
-Keys as in kareus.partition (fwd_attn, fwd_mlp, bwd_mlp, bwd_attn; with CP fwd_qkv_ag,
+Keys as in kareus.workload.partition (fwd_attn, fwd_mlp, bwd_mlp, bwd_attn; with CP fwd_qkv_ag,
 bwd_o_ar, ...). A key without a setting runs its collective after the partition's compute
 (no overlap) on the layer's own group. No torch here.
 """
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kareus.core import InstructionId, PartitionSetting
-from kareus.execution import ExecutionPlan
-from kareus.partition import Partition
+from kareus.plans.execution import ExecutionPlan
+from kareus.workload.partition import Partition
 
 NO_SETTING = PartitionSetting(0, None)
 """A key the plan does not set: no overlap, no SM-specific process group."""

@@ -6,7 +6,7 @@ all-reduce; backward: mlp' -> TP all-reduce | o' [norm backward, output projecti
 backward] -> CP all-gather of K, V again | a' [attention backward] -> CP reduce-scatter of
 dK, dV | qkv' [rotary, QKV backward] -> TP all-reduce | input-norm backward. Partitions
 pair each segment with the other nanobatch's previous collective, exactly as
-kareus.partition keys them (fwd_qkv_ag, fwd_ao_ag, fwd_ao_ar, fwd_mlp, bwd_mlp, bwd_o_ar,
+kareus.workload.partition keys them (fwd_qkv_ag, fwd_ao_ag, fwd_ao_ar, fwd_mlp, bwd_mlp, bwd_o_ar,
 bwd_o_ag, bwd_a_ag, bwd_a_rs, bwd_qkv_rs, bwd_qkv_ar). Each collective is issued
 asynchronously before the op its partition's slot names and waited for at the
 partition's end.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kareus.pareto import hypervolume_improvements, pareto_mask
+from kareus.core.pareto import hypervolume_improvements, pareto_mask
 
 PASSES = ("hv_total", "hv_dynamic", "fastest", "uncertainty", "per_frequency")
 

@@ -16,15 +16,15 @@ import numpy as np
 from kareus import SCHEMA_VERSION
 from kareus.backends.base import Backend, CostModel, backend_info
 from kareus.core import Knobs, Measurement
+from kareus.core.pareto import hypervolume, pareto_mask
 from kareus.errors import SpecError
-from kareus.pareto import hypervolume, pareto_mask
-from kareus.partition import Partition
 from kareus.search.acquisition import Candidates, select_batch
 from kareus.search.design import initial_design
 from kareus.search.prior import prior_design, prior_values
 from kareus.search.space import KnobSpace
 from kareus.search.surrogate import Surrogate, SurrogateConfig, make_surrogate
 from kareus.store import JournalLike
+from kareus.workload.partition import Partition
 
 STRATEGIES = ("mbo", "published", "random", "exhaustive")
 """mbo: ours; published: the same loop in the published Kareus configuration

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kareus.backends.base import CostModel
-from kareus.pareto import pareto_mask
+from kareus.core.pareto import pareto_mask
 from kareus.search.design import initial_design
 from kareus.search.space import KnobSpace
 

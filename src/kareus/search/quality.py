@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kareus.pareto import hypervolume, pareto_mask
+from kareus.core.pareto import hypervolume, pareto_mask
 
 
 class FrontierQuality:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kareus.core import Knobs
-from kareus.partition import Partition
+from kareus.workload.partition import Partition
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from kareus.spec import BYTES_PER_ELEMENT as E
-from kareus.spec import JobSpec
+from kareus.job.spec import BYTES_PER_ELEMENT as E
+from kareus.job.spec import JobSpec
 from kareus.workload.layer import (
     backward_ops,
     forward_ops,
@@ -46,7 +46,7 @@ class StageGraph:
 
     A transfer between adjacent stages is one batched isend/irecv in Megatron's 1F1B: the
     sender and the receiver both wait for it, so it appears once on any path of the
-    pipeline (kareus.schedule), never as an op inside either instruction."""
+    pipeline (kareus.plans.schedule), never as an op inside either instruction."""
 
     @property
     def transfers(self) -> tuple[Collective, ...]:

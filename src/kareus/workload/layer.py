@@ -21,8 +21,8 @@ opens the next (lower) layer's backward. Shifting them keeps every layer's op li
 
 from __future__ import annotations
 
-from kareus.spec import BYTES_PER_ELEMENT as E
-from kareus.spec import JobSpec
+from kareus.job.spec import BYTES_PER_ELEMENT as E
+from kareus.job.spec import JobSpec
 from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, GemmShape, Op
 
 

@@ -1,8 +1,8 @@
 import pytest
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.partition import PartitionSet
-from kareus.sources import build_job
+from kareus.job.sources import build_job
+from kareus.workload.partition import PartitionSet
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from kareus.backends.base import Backend
 from kareus.backends.emulator import EmulatorBackend
 from kareus.core import Knobs
 from kareus.errors import SpecError
-from kareus.partition import PartitionSet
-from kareus.sources import build_job
+from kareus.job.sources import build_job
 from kareus.workload.layer import gemm
+from kareus.workload.partition import PartitionSet
 
 JOB = build_job("kareus-1")
 PS = PartitionSet.from_job(JOB)

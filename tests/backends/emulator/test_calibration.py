@@ -13,7 +13,7 @@ from kareus.backends.emulator.calibration import (
 from kareus.backends.nvml import NvmlBackend
 from kareus.core import MeasurementProtocol
 from kareus.gpu.device import FakeDevice
-from kareus.sources import build_job
+from kareus.job.sources import build_job
 from tests.gpu.test_kernels import TINY
 
 

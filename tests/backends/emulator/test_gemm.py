@@ -16,7 +16,7 @@ from kareus.backends.emulator.gemm import (
 )
 from kareus.backends.emulator.params import default_params
 from kareus.backends.emulator.physics import GPUPhysics
-from kareus.hardware import get_gpu
+from kareus.job.hardware import get_gpu
 from kareus.workload.layer import gemm
 
 

@@ -11,7 +11,7 @@ from kareus.backends.emulator.anchors import overlap_anchor
 from kareus.backends.emulator.params import default_params
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.backends.emulator.timeline import Timeline
-from kareus.hardware import get_gpu
+from kareus.job.hardware import get_gpu
 from kareus.workload.layer import gemm
 from kareus.workload.ops import Collective
 

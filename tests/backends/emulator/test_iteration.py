@@ -4,11 +4,11 @@ import pytest
 
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.execution import ExecutionPlan
-from kareus.methods import baseline_plan
-from kareus.partition import PartitionSet
-from kareus.schedule import one_f_one_b
-from kareus.sources import build_job
+from kareus.job.sources import build_job
+from kareus.plans.execution import ExecutionPlan
+from kareus.plans.methods import baseline_plan
+from kareus.plans.schedule import one_f_one_b
+from kareus.workload.partition import PartitionSet
 
 
 def test_one_f_one_b_order():

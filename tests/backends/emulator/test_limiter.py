@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.limiter import LimiterState, PowerLimiter
-from kareus.sources import build_job
+from kareus.job.sources import build_job
 from kareus.workload.ops import Collective, ComputeOp
 
 JOB = build_job("kareus-1")

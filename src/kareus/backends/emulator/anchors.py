@@ -13,12 +13,12 @@ from pathlib import Path
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.backends.emulator.params import load_params
-from kareus.execution import ExecutionPlan
-from kareus.hardware import get_gpu
-from kareus.partition import PartitionSet
-from kareus.sources import build_job
+from kareus.job.hardware import get_gpu
+from kareus.job.sources import build_job
+from kareus.plans.execution import ExecutionPlan
 from kareus.workload.layer import gemm
 from kareus.workload.ops import Collective, ComputeOp
+from kareus.workload.partition import PartitionSet
 
 MiB = 2**20
 

@@ -15,10 +15,10 @@ from kareus.backends.emulator.physics import GPUPhysics
 from kareus.backends.emulator.timeline import RunResult, Timeline
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
-from kareus.hardware import GPUSpec, get_gpu
-from kareus.partition import Partition
-from kareus.spec import JobSpec
+from kareus.job.hardware import GPUSpec, get_gpu
+from kareus.job.spec import JobSpec
 from kareus.workload.ops import Op, ops_signature
+from kareus.workload.partition import Partition
 
 
 def internode_groups(job: JobSpec) -> frozenset[str]:

@@ -21,9 +21,9 @@ from kareus.backends.base import Backend
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.params import EmulatorParams
 from kareus.core import Knobs, Measurement
-from kareus.partition import Partition, PartitionSet
-from kareus.spec import JobSpec
+from kareus.job.spec import JobSpec
 from kareus.workload.ops import Op
+from kareus.workload.partition import Partition, PartitionSet
 
 CalibrationItem = tuple[str, str, tuple[Partition, Knobs] | Op]
 """(label, kind, what): a partition at a setting (kind "partition"), or one op."""

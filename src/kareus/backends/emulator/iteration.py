@@ -33,9 +33,9 @@ from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.limiter import LimiterState
 from kareus.backends.emulator.timeline import RunResult
 from kareus.core import ZERO, Knobs, Measurement
-from kareus.execution import ExecutionPlan
-from kareus.partition import PartitionSet, Step
-from kareus.schedule import one_f_one_b, schedule
+from kareus.plans.execution import ExecutionPlan
+from kareus.plans.schedule import one_f_one_b, schedule
+from kareus.workload.partition import PartitionSet, Step
 
 
 @dataclass
@@ -236,7 +236,7 @@ class IterationSimulator:
         job, b = self.job, self.backend
         pp, mbs = job.pp, job.num_microbatches
         stages = self.ps.graph.stages
-        # Transfers between stages: both ends wait for each (kareus.schedule); their (small)
+        # Transfers between stages: both ends wait for each (kareus.plans.schedule); their (small)
         # dynamic energy is counted once, on the sender.
         sends = {s.index: {t.name: b.predict_ops((t,), plan.default_freq_mhz)
                            for t in s.transfers} for s in stages}

@@ -1,6 +1,6 @@
 """Constants of the emulator's kernel, collective and power models, per GPU.
 
-Public hardware facts live in `kareus.hardware`; this module holds the *model* constants
+Public hardware facts live in `kareus.job.hardware`; this module holds the *model* constants
 fitted to the public measurements in docs/anchors.md (each with its source) and documented in
 docs/emulator.md. A calibration file (`--calibration FILE`) can override any of them.
 """
@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kareus.core.jsonfile import read_json_object
 from kareus.errors import SpecError
-from kareus.hardware import GPUSpec
-from kareus.jsonfile import read_json_object
+from kareus.job.hardware import GPUSpec
 
 # NanoFlow (anchors §3): a memory-bound GEMV given a share of the GPU's SMs runs at this share
 # of its full speed.

@@ -17,7 +17,7 @@ import numpy as np
 
 from kareus.backends.emulator.gemm import GemmModel, tile_catalog
 from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams
-from kareus.hardware import GPUSpec
+from kareus.job.hardware import GPUSpec
 from kareus.workload.ops import Collective, ComputeOp
 
 _SHARE_X = np.array([x for x, _ in MEMORY_SM_SHARE])

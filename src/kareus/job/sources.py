@@ -1,0 +1,154 @@
+"""Where a JobSpec comes from: presets, a YAML job file, a Hugging Face config.json, flags.
+
+Precedence, lowest first: preset < job file < command-line flags. The model may be a preset
+name, a path to a Hugging Face ``config.json`` (or a directory holding one), or a mapping
+with the ModelSpec fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kareus.core.jsonfile import read_json_object
+from kareus.errors import SpecError
+from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS, preset_names
+from kareus.job.spec import JobSpec, ModelSpec, first_error_line, validate_job
+
+_HF_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def load_hf_config(path: str | Path) -> ModelSpec:
+    """Read the transformer shape from a Hugging Face ``config.json`` (file or directory)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    raw = read_json_object(p, "model config")
+    missing = [k for k in _HF_REQUIRED if k not in raw]
+    if missing:
+        raise SpecError(f"{p} lacks {', '.join(missing)}: not a decoder-only transformer config")
+    model_type = str(raw.get("model_type", ""))
+    name = raw.get("_name_or_path") or p.parent.name or model_type or "hf-model"
+    data = dict(
+        name=str(name),
+        hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=raw.get("head_dim"),
+        ffn_hidden_size=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"],
+        # Qwen3 normalises queries and keys per head; its configs do not carry a flag for it.
+        qk_norm=bool(raw.get("qk_norm", model_type.startswith("qwen3"))),
+    )
+    return _model_from_dict(data, source=str(p))
+
+
+def _model_from_dict(data: dict[str, Any], source: str) -> ModelSpec:
+    from pydantic import ValidationError
+
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"invalid model ({source}): {first_error_line(exc)}") from None
+
+
+def resolve_model(value: Any) -> ModelSpec:
+    """A model from a preset name, a config.json path, a mapping, or a ModelSpec."""
+    if isinstance(value, ModelSpec):
+        return value
+    if isinstance(value, dict):
+        if "num_hidden_layers" in value:  # an inline Hugging Face config
+            tmp = {k: v for k, v in value.items()}
+            return _model_from_dict(
+                dict(
+                    name=str(tmp.get("name", tmp.get("model_type", "hf-model"))),
+                    hidden_size=tmp.get("hidden_size"),
+                    num_layers=tmp.get("num_hidden_layers"),
+                    num_attention_heads=tmp.get("num_attention_heads"),
+                    num_kv_heads=tmp.get("num_key_value_heads", tmp.get("num_attention_heads")),
+                    head_dim=tmp.get("head_dim"),
+                    ffn_hidden_size=tmp.get("intermediate_size"),
+                    vocab_size=tmp.get("vocab_size"),
+                    qk_norm=bool(tmp.get("qk_norm", False)),
+                ),
+                source="inline config",
+            )
+        return _model_from_dict(value, source="inline model")
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(f"model must be a name or a path, got {value!r}")
+    key = value.strip().lower()
+    if key in MODEL_PRESETS:
+        return ModelSpec.model_validate(MODEL_PRESETS[key])
+    path = Path(value).expanduser()
+    if path.suffix == ".json" or path.is_dir() or path.exists():
+        return load_hf_config(path)
+    raise SpecError(
+        f"unknown model {value!r}; known: {', '.join(MODEL_PRESETS)} "
+        f"(or a path to a Hugging Face config.json)"
+    )
+
+
+def load_job_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (or JSON) job file into a mapping of JobSpec fields."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"job file not found: {p}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpecError(f"cannot parse job file {p}: {where}"
+                        f"{exc.problem or exc.context or 'invalid YAML'}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(f"cannot parse job file {p}: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError(f"job file {p} must hold a mapping of job fields")
+    if "preset" in data:
+        data = {**preset_fields(str(data.pop("preset"))), **data}
+    model = data.get("model")
+    if isinstance(model, str) and model.lower() not in MODEL_PRESETS:
+        # Relative config.json paths in a job file are relative to the file.
+        candidate = (p.parent / model).expanduser()
+        if candidate.exists():
+            data["model"] = str(candidate)
+    return data
+
+
+def preset_fields(name: str) -> dict[str, Any]:
+    key = name.strip().lower()
+    if key in JOB_PRESETS:
+        return dict(JOB_PRESETS[key])
+    if key in MODEL_PRESETS:
+        return {"model": key}
+    raise SpecError(f"unknown preset {name!r}; known: {', '.join(preset_names())}")
+
+
+def build_job(
+    preset: str | None = None,
+    config: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> JobSpec:
+    """Merge preset < job file < overrides (None values ignored) into a validated JobSpec."""
+    data: dict[str, Any] = {}
+    if preset is not None:
+        data.update(preset_fields(preset))
+    if config is not None:
+        data.update(load_job_file(config))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if "model" not in data:
+        raise SpecError("no model given: pass --preset NAME, --model NAME|config.json or --config")
+    data["model"] = resolve_model(data["model"])
+    return validate_job(data)

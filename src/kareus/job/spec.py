@@ -1,0 +1,261 @@
+"""Validated descriptions of a model and of a training job (pydantic).
+
+A JobSpec is everything Kareus needs to build the execution graph: the model, the
+parallelism, the batch shape, the pipeline split, activation recompute, the GPUs, and the
+knob choices a search may use. Every rule that a real Megatron-LM run would reject is
+checked here, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kareus.errors import SpecError
+from kareus.job.hardware import GPUSpec, get_gpu
+
+BYTES_PER_ELEMENT = 2  # bf16 activations, weights and gradients (docs/anchors.md §4)
+
+DEFAULT_SM_CHOICES_ALL_REDUCE = tuple(range(3, 31, 3))  # Kareus artifact (docs/anchors.md §4)
+DEFAULT_SM_CHOICES_GATHER_SCATTER = tuple(range(1, 21))  # Kareus artifact (docs/anchors.md §4)
+
+
+class ModelSpec(BaseModel):
+    """A Llama-style decoder-only transformer (RMSNorm, GQA + RoPE, SwiGLU)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    hidden_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    ffn_hidden_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    qk_norm: bool = False
+    """RMSNorm on queries and keys before rotary (Qwen3)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_head_dim(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("head_dim") is None:
+            heads, hidden = data.get("num_attention_heads"), data.get("hidden_size")
+            if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+                data = {**data, "head_dim": hidden // heads}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelSpec:
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"attention heads ({self.num_attention_heads}) must be a multiple of "
+                f"KV heads ({self.num_kv_heads})"
+            )
+        return self
+
+
+class JobSpec(BaseModel):
+    """One training job: model x parallelism x batch shape x cluster."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSpec
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    cp: int = Field(1, ge=1, description="context-parallel size (all-gather mode)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size")
+    dp: int | None = Field(None, ge=1, description="data-parallel size; derived when omitted")
+    sequence_parallel: bool = False
+    micro_batch_size: int = 2  # checked below: even and >= 2
+    seq_length: int = Field(4096, ge=1)
+    num_microbatches: int = Field(8, ge=1)
+    layers_per_stage: tuple[int, ...] | None = None
+    recompute: bool = Field(
+        True, description="full activation recompute, uniform, one layer per checkpoint"
+    )
+    gpu: str = "A100-40GB"
+    gpus_per_node: int = Field(8, ge=1)
+    nodes: int = Field(1, ge=1)
+    sm_choices_all_reduce: tuple[int, ...] = DEFAULT_SM_CHOICES_ALL_REDUCE
+    sm_choices_gather_scatter: tuple[int, ...] = DEFAULT_SM_CHOICES_GATHER_SCATTER
+    search_freqs_mhz: tuple[int, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check_job(self) -> JobSpec:
+        m = self.model
+        gpu = get_gpu(self.gpu)  # raises for unknown names, listing the known ones
+        if gpu.name != self.gpu:
+            object.__setattr__(self, "gpu", gpu.name)
+        if m.num_attention_heads % self.tp != 0:
+            raise ValueError(
+                f"tp={self.tp} must divide the {m.num_attention_heads} attention heads of "
+                f"{m.name}"
+            )
+        if m.num_kv_heads % self.tp != 0 and self.tp % m.num_kv_heads != 0:
+            raise ValueError(
+                f"tp={self.tp} must divide the {m.num_kv_heads} KV heads of {m.name} or be a "
+                f"multiple of them (then KV heads are replicated)"
+            )
+        if self.seq_length % self.cp != 0:
+            raise ValueError(f"cp={self.cp} must divide the sequence length {self.seq_length}")
+        if self.cp > 1 and self.seq_length % (2 * self.cp) != 0:
+            raise ValueError(
+                f"with cp={self.cp} the sequence length {self.seq_length} must be divisible by "
+                f"2 x cp = {2 * self.cp} (load-balanced causal chunks)"
+            )
+        if self.sequence_parallel and (self.seq_length // self.cp) % self.tp != 0:
+            raise ValueError(
+                f"with sequence parallelism tp={self.tp} must divide the per-rank sequence "
+                f"length {self.seq_length // self.cp}"
+            )
+        if self.micro_batch_size < 2 or self.micro_batch_size % 2 != 0:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} must be even and >= 2 (each "
+                f"microbatch is split into two nanobatches)"
+            )
+        self._check_placement()
+        self._check_stages()
+        self._check_knobs(gpu)
+        return self
+
+    def _check_placement(self) -> None:
+        """TP x CP inside a node; DP derived from (or consistent with) the GPU count."""
+        total = self.gpus_per_node * self.nodes
+        model_parallel = self.tp * self.cp * self.pp
+        if self.tp * self.cp > self.gpus_per_node:
+            raise ValueError(
+                f"tp x cp = {self.tp * self.cp} must fit in one node of {self.gpus_per_node} GPUs"
+            )
+        if self.dp is None:
+            if total % model_parallel != 0:
+                raise ValueError(
+                    f"tp x cp x pp = {model_parallel} must divide the {total} GPUs "
+                    f"({self.nodes} nodes x {self.gpus_per_node})"
+                )
+            object.__setattr__(self, "dp", total // model_parallel)
+        elif model_parallel * self.dp != total:
+            raise ValueError(
+                f"tp x cp x pp x dp = {model_parallel * self.dp} must equal the {total} GPUs "
+                f"({self.nodes} nodes x {self.gpus_per_node})"
+            )
+
+    def _check_stages(self) -> None:
+        m = self.model
+        if self.pp > m.num_layers:
+            raise ValueError(f"pp={self.pp} exceeds the {m.num_layers} layers of {m.name}")
+        if self.layers_per_stage is None:
+            base, extra = divmod(m.num_layers, self.pp)
+            split = tuple(base + (1 if i < extra else 0) for i in range(self.pp))
+            object.__setattr__(self, "layers_per_stage", split)
+        else:
+            if len(self.layers_per_stage) != self.pp:
+                raise ValueError(
+                    f"layers_per_stage has {len(self.layers_per_stage)} entries but pp={self.pp}"
+                )
+            if any(n < 1 for n in self.layers_per_stage):
+                raise ValueError("every pipeline stage needs at least one layer")
+            if sum(self.layers_per_stage) != m.num_layers:
+                raise ValueError(
+                    f"layers_per_stage {list(self.layers_per_stage)} sums to "
+                    f"{sum(self.layers_per_stage)}, but {m.name} has {m.num_layers} layers"
+                )
+
+    def _check_knobs(self, gpu: GPUSpec) -> None:
+        for label, choices in (
+            ("sm_choices_all_reduce", self.sm_choices_all_reduce),
+            ("sm_choices_gather_scatter", self.sm_choices_gather_scatter),
+        ):
+            if not choices:
+                raise ValueError(f"{label} must not be empty")
+            bad = [n for n in choices if n < 1 or n >= gpu.sm_count]
+            if bad:
+                raise ValueError(
+                    f"{label}: {bad} outside 1..{gpu.sm_count - 1} SMs of {gpu.name}"
+                )
+        if self.search_freqs_mhz is not None:
+            if not self.search_freqs_mhz:
+                raise ValueError("search_freqs_mhz must not be empty")
+            for f in self.search_freqs_mhz:
+                gpu.check_freq(f)
+
+    # Derived quantities used throughout -------------------------------------------------
+
+    @property
+    def gpu_spec(self) -> GPUSpec:
+        return get_gpu(self.gpu)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def nanobatch_size(self) -> int:
+        return self.micro_batch_size // 2
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of one sequence held by one CP rank."""
+        return self.seq_length // self.cp
+
+    @property
+    def kv_heads_replicated(self) -> bool:
+        return self.model.num_kv_heads < self.tp
+
+    @property
+    def local_heads(self) -> int:
+        return self.model.num_attention_heads // self.tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads held by one TP rank (1 when KV heads are replicated across ranks)."""
+        return max(1, self.model.num_kv_heads // self.tp)
+
+    @property
+    def freqs_mhz(self) -> tuple[int, ...]:
+        """Frequencies a search visits: the job's override or the GPU's default list."""
+        if self.search_freqs_mhz is not None:
+            return tuple(sorted(self.search_freqs_mhz, reverse=True))
+        return self.gpu_spec.search_freqs_mhz
+
+    def describe(self) -> str:
+        m = self.model
+        parts = [f"{m.name}", f"TP{self.tp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        parts += [f"PP{self.pp}", f"DP{self.dp}"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        parts += [
+            f"mbs {self.micro_batch_size}",
+            f"seq {self.seq_length}",
+            f"{self.num_microbatches} microbatches",
+            f"layers {'/'.join(map(str, self.layers_per_stage or ()))}",
+            f"{self.nodes}x{self.gpus_per_node} {self.gpu}",
+        ]
+        if self.kv_heads_replicated:
+            parts.append(f"KV heads replicated x{self.tp // m.num_kv_heads}")
+        return ", ".join(parts)
+
+
+def first_error_line(exc: ValidationError) -> str:
+    """One readable line from a pydantic ValidationError: every unknown field at once (a
+    job file with several typos is fixed in one go), else the first problem found."""
+    errors = exc.errors(include_url=False)
+    unknown = [".".join(str(p) for p in e.get("loc", ())) for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}"
+    err = errors[0]
+    msg = str(err.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def validate_job(data: dict[str, Any]) -> JobSpec:
+    """Build a JobSpec from plain data, turning validation failures into one SpecError."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"invalid job: {first_error_line(exc)}") from None

@@ -1,0 +1,153 @@
+"""The method registry: one record per way of running training that Kareus plans or
+compares against. Composition, optimize, metrics, reports, figures and compare iterate
+over it; adding a method is adding one record (`register`).
+
+How each baseline executes (docs/composition.md): Megatron-LM runs the whole microbatch at
+max clock with every collective on the compute stream's path; Nanobatching splits each
+microbatch in two and launches each collective as soon as its input is ready, with NCCL's
+default thread blocks; Perseus is Megatron-LM's execution with one clock per pipeline
+instruction; Nanobatching + Perseus is the default overlap with per-instruction clocks;
+Kareus chooses every partition's collective SMs and launch slot per clock, and keeps the
+default-overlap and sequential executions of each instruction as options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+from kareus.core import LAUNCH_FIRST
+from kareus.errors import SpecError
+from kareus.job.spec import JobSpec
+from kareus.plans.execution import ExecutionPlan
+
+OptionSource = Literal["sequential", "default_overlap", "searched"]
+"""How an instruction option is built: the Megatron-style execution (microbatch not split,
+collectives blocking), the default overlap (Nanobatching), or the partitions' searched
+frontiers composed per instruction."""
+
+ClockSet = Literal["max", "search"]
+"""The clocks an instruction may run at: the GPU's max clock, or every search clock."""
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    display_name: str
+    clocks: ClockSet
+    options: tuple[OptionSource, ...]
+    overlap: bool
+    """Its plans split microbatches and overlap collectives (except instructions an option
+    marks sequential)."""
+    color: str
+    marker: str
+    aliases: tuple[str, ...] = ()
+    merges: tuple[str, ...] = ()
+    """Methods whose option sets are contained in this one's (per instruction, per clock):
+    their solved plans are plans of this method too, and its frontier keeps the best."""
+    fixed_plan: bool = False
+    """It runs one fixed plan at one clock (no search, no clock planning): `kareus
+    simulate` can run it."""
+
+    @property
+    def needs_search(self) -> bool:
+        return "searched" in self.options
+
+    def baseline_plan(self, job: JobSpec, freq_mhz: int | None = None) -> ExecutionPlan:
+        """The fixed plan of a method that has one, at max clock unless ``freq_mhz``."""
+        if not self.fixed_plan:
+            raise SpecError(f"{self.name} has no fixed plan; fixed: "
+                            f"{', '.join(m.name for m in all_methods() if m.fixed_plan)}")
+        gpu = job.gpu_spec
+        f = gpu.check_freq(freq_mhz) if freq_mhz is not None else gpu.max_freq_mhz
+        return ExecutionPlan(self.name, overlap=self.overlap, default_freq_mhz=f,
+                             default_slot=LAUNCH_FIRST if self.overlap else None)
+
+
+ISO_REFERENCE = "perseus"
+"""The paper's iso-time and iso-energy metrics compare against this method."""
+THROUGHPUT_BASELINE = "megatron"
+"""Max-throughput metrics compare against this method."""
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    taken = {n for m in _REGISTRY.values() for n in (m.name, *m.aliases)}
+    clash = {method.name, *method.aliases} & taken
+    if clash:
+        raise SpecError(f"method name(s) already registered: {', '.join(sorted(clash))}")
+    unknown = [m for m in method.merges if m not in _REGISTRY]
+    if unknown:
+        raise SpecError(f"{method.name} merges unregistered methods: {', '.join(unknown)}")
+    _REGISTRY[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+@contextmanager
+def registered(method: Method) -> Iterator[Method]:
+    """``method`` is registered inside the block (tests, experiments)."""
+    register(method)
+    try:
+        yield method
+    finally:
+        unregister(method.name)
+
+
+def all_methods() -> tuple[Method, ...]:
+    """Every registered method, in registration order (a method follows those it merges)."""
+    return tuple(_REGISTRY.values())
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def _normal(text: str) -> str:
+    return "".join(c for c in text.lower() if c.isalnum())
+
+
+def get_method(name: str) -> Method:
+    """A method by name, alias or display name, case, spaces and punctuation ignored
+    ("Nanobatching+Perseus", "kareus_no_sched"); one clear error for an unknown one."""
+    for m in _REGISTRY.values():
+        if name == m.name or name in m.aliases:
+            return m
+    wanted = _normal(name)
+    for m in _REGISTRY.values():
+        if wanted in {_normal(n) for n in (m.name, m.display_name, *m.aliases)}:
+            return m
+    raise SpecError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)}")
+
+
+def display_name(name: str) -> str:
+    m = _REGISTRY.get(name)
+    return m.display_name if m is not None else name
+
+
+register(Method("megatron", "Megatron-LM", clocks="max", options=("sequential",),
+                overlap=False, color="#7f7f7f", marker="s", fixed_plan=True))
+register(Method("nanobatch", "Nanobatching", clocks="max", options=("default_overlap",),
+                overlap=True, color="#bcbd22", marker="D", fixed_plan=True))
+register(Method("perseus", "Perseus", clocks="search", options=("sequential",),
+                overlap=False, color="#1f77b4", marker="o"))
+register(Method("nanobatch_perseus", "Nanobatching + Perseus", clocks="search",
+                options=("default_overlap",), overlap=True, color="#9467bd", marker="v",
+                aliases=("kareus_no_sched",)))
+register(Method("kareus", "Kareus", clocks="search",
+                options=("searched", "default_overlap", "sequential"), overlap=True,
+                color="#d62728", marker="*", merges=("perseus", "nanobatch_perseus")))
+register(Method("kareus_no_freq", "Kareus, max clock only", clocks="max",
+                options=("searched", "default_overlap", "sequential"), overlap=True,
+                color="#ff7f0e", marker="^"))
+
+
+def baseline_plan(method: str, job: JobSpec, freq_mhz: int | None = None) -> ExecutionPlan:
+    """The fixed plan of ``method`` (by name or alias)."""
+    return get_method(method).baseline_plan(job, freq_mhz)

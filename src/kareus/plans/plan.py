@@ -1,0 +1,137 @@
+"""Plans on a method's iteration frontier, their files, and choosing one.
+
+A Plan is one point of a method's frontier: the ExecutionPlan (clock per instruction,
+settings per partition key per instruction), its predicted iteration time and energy, and
+the emulator's whole-iteration simulation of it (validation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kareus import SCHEMA_VERSION
+from kareus.errors import KareusError, SpecError
+from kareus.plans.execution import ExecutionPlan
+
+OBJECTIVES = ("max-throughput", "min-energy", "deadline", "energy-budget")
+
+DEADLINE_TOLERANCE_S = 0.0005
+"""Tables print iteration times with 3 decimals: a deadline typed from them (3.690 for
+3.6901 s) still selects that plan."""
+ENERGY_TOLERANCE_J = 5.0
+"""Tables print energies in kJ with 2 decimals (half a step: 5 J)."""
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One bar of a plan's pipeline timeline: an instruction (``kind`` "forward" or
+    "backward") or the transfer after it ("send"), on one stage."""
+
+    stage: int
+    microbatch: int
+    kind: str
+    start_s: float
+    time_s: float
+    freq_mhz: int
+    critical: bool
+    """On the critical path: any delay lengthens the iteration."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> TimelineEntry:
+        return cls(int(doc["stage"]), int(doc["microbatch"]), str(doc["kind"]),
+                   float(doc["start_s"]), float(doc["time_s"]), int(doc["freq_mhz"]),
+                   bool(doc["critical"]))
+
+
+@dataclass
+class Plan:
+    id: str
+    method: str
+    time_s: float
+    energy_j: float
+    execution: ExecutionPlan
+    simulated_time_s: float | None = None
+    simulated_energy_j: float | None = None
+    timeline: list[TimelineEntry] = field(default_factory=list)
+    """The plan's 1F1B schedule as composed: every instruction and transfer."""
+
+    def summary(self) -> dict:
+        return {"id": self.id, "method": self.method, "time_s": self.time_s,
+                "energy_j": self.energy_j, "simulated_time_s": self.simulated_time_s,
+                "simulated_energy_j": self.simulated_energy_j,
+                "sequential_instructions": len(self.execution.sequential)}
+
+    def to_dict(self, job: dict | None = None) -> dict:
+        d = {"schema_version": SCHEMA_VERSION, **self.summary(),
+             "execution": self.execution.to_dict(),
+             "timeline": [e.to_dict() for e in self.timeline]}
+        if job is not None:
+            d["job"] = job
+        return d
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Plan:
+        try:
+            if doc.get("schema_version") != SCHEMA_VERSION:
+                raise SpecError(f"unsupported plan schema_version {doc.get('schema_version')!r}")
+            return cls(str(doc["id"]), str(doc["method"]), float(doc["time_s"]),
+                       float(doc["energy_j"]), ExecutionPlan.from_dict(doc["execution"]),
+                       doc.get("simulated_time_s"), doc.get("simulated_energy_j"),
+                       [TimelineEntry.from_dict(e) for e in doc.get("timeline", [])])
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, SpecError):
+                raise
+            raise SpecError(f"corrupt plan: {type(exc).__name__}: {exc}") from None
+
+
+def select(frontier: list[dict], objective: str, value: float | None = None) -> dict:
+    """The frontier point meeting ``objective``.
+
+    max-throughput: the fastest; min-energy: the least energy; deadline: the least energy
+    among plans no slower than ``value`` seconds; energy-budget: the fastest among plans
+    using at most ``value`` joules. Raises KareusError stating the feasible range.
+    """
+    if not frontier:
+        raise KareusError("the frontier is empty")
+    if objective == "max-throughput":
+        return min(frontier, key=lambda p: (p["time_s"], p["energy_j"]))
+    if objective == "min-energy":
+        return min(frontier, key=lambda p: (p["energy_j"], p["time_s"]))
+    if value is None or not value > 0:
+        raise KareusError(f"--{objective} needs a positive number")
+    if objective == "deadline":
+        ok = [p for p in frontier if p["time_s"] <= value + DEADLINE_TOLERANCE_S]
+        if not ok:
+            fastest = min(p["time_s"] for p in frontier)
+            raise KareusError(f"no plan meets a {value:g} s deadline: iteration times range "
+                              f"from {fastest:.4f} s to {max(p['time_s'] for p in frontier):.4f}"
+                              f" s")
+        return min(ok, key=lambda p: (p["energy_j"], p["time_s"]))
+    if objective == "energy-budget":
+        ok = [p for p in frontier if p["energy_j"] <= value + ENERGY_TOLERANCE_J]
+        if not ok:
+            least = min(p["energy_j"] for p in frontier)
+            raise KareusError(f"no plan fits a {value:g} J budget: iteration energies range "
+                              f"from {least:.1f} J to {max(p['energy_j'] for p in frontier):.1f}"
+                              f" J")
+        return min(ok, key=lambda p: (p["time_s"], p["energy_j"]))
+    raise KareusError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+
+
+def objective_of(max_throughput: bool = False, min_energy: bool = False,
+                 deadline_s: float | None = None, energy_budget_j: float | None = None
+                 ) -> tuple[str, float | None]:
+    """The one objective asked for, with its limit; KareusError unless exactly one."""
+    chosen = [name for name, on in (("max-throughput", max_throughput),
+                                    ("min-energy", min_energy),
+                                    ("deadline", deadline_s is not None),
+                                    ("energy-budget", energy_budget_j is not None)) if on]
+    if len(chosen) != 1:
+        raise KareusError("give exactly one of --max-throughput, --min-energy, --deadline, "
+                          "--energy-budget")
+    objective = chosen[0]
+    return objective, deadline_s if objective == "deadline" else energy_budget_j

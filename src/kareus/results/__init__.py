@@ -1,0 +1,1 @@
+"""An optimize run's result, its directory on disk and its report."""

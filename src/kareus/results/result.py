@@ -1,0 +1,101 @@
+"""What `kareus optimize` produces: per method its plans, the metrics, the searches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from kareus import SCHEMA_VERSION
+from kareus.job.spec import JobSpec
+from kareus.plans.plan import Plan
+from kareus.search.loop import SearchResult
+from kareus.store import job_id
+
+_SEARCH_FIELDS = ("partition", "strategy", "stopped", "hypervolume")
+_RUN_FIELDS = ("measured_this_run", "reused_from_journal", "profiling_cost_s")
+_PER_RUN = ("timings_s", "this_run", "run_id")
+"""What a rerun that finds everything in the journal changes in result.json: the times,
+what this run measured or took from the journal, and nothing else."""
+
+
+@dataclass
+class OptimizeResult:
+    job: JobSpec
+    plans: dict[str, list[Plan]]
+    """Per method (registry order), the plans of its frontier, fastest first."""
+    searches: list[SearchResult]
+    metrics: dict[str, dict[str, float | None]]
+    validation_max_error: float | None
+    """Largest relative difference between a plan's composed and simulated time or energy;
+    None where no simulation validated the plans."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+    run_id: str = ""
+    """This run's id (`content_id`): result.json and every plan file of the run carry it."""
+    sources: dict[str, Any] | None = None
+    """Composed from a journal (`optimize --measurements`): the journal, the backend whose
+    measurements were used, and every number the emulator filled in (``filled``; empty
+    unless the user opted in with --fill-missing). None: searched by this run."""
+
+    @property
+    def job_id(self) -> str:
+        return job_id(self.job)
+
+    def content_id(self) -> str:
+        """A run id that names the result itself (timings aside): a rerun that finds
+        everything in the journal writes the same result.json, run id included, and a
+        plan file of any other result is told apart."""
+        doc = {k: v for k, v in self.to_dict().items() if k not in _PER_RUN}
+        text = json.dumps(doc, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def validation(self) -> dict[str, dict[str, float]]:
+        """Per method: the largest and the median relative error (composed against the
+        whole-iteration simulation) of time and of energy over its frontier plans, and the
+        signed median (positive: the simulation took more than composed). Empty where no
+        plan was simulated."""
+        out: dict[str, dict[str, float]] = {}
+        for method, plans in self.plans.items():
+            pairs = [(p.simulated_time_s / p.time_s - 1, p.simulated_energy_j / p.energy_j - 1)
+                     for p in plans
+                     if p.simulated_time_s is not None and p.simulated_energy_j is not None]
+            if not pairs:
+                continue
+            dt, de = [t for t, _ in pairs], [e for _, e in pairs]
+            out[method] = {
+                "plans": len(pairs),
+                "time_max_rel_error": max(abs(x) for x in dt),
+                "time_median_rel_error": statistics.median(abs(x) for x in dt),
+                "time_median_signed": statistics.median(dt),
+                "energy_max_rel_error": max(abs(x) for x in de),
+                "energy_median_rel_error": statistics.median(abs(x) for x in de),
+                "energy_median_signed": statistics.median(de)}
+        return out
+
+    def frontier_points(self) -> dict[str, list[tuple[float, float]]]:
+        return {m: [(p.time_s, p.energy_j) for p in ps] for m, ps in self.plans.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "job_id": self.job_id,
+            "job": self.job.model_dump(mode="json"),
+            "methods": {
+                m: {"frontier": [{**{k: v for k, v in p.summary().items()
+                                     if k not in ("id", "method")}, "plan": p.id}
+                                 for p in ps]}
+                for m, ps in self.plans.items()},
+            "metrics": self.metrics,
+            "validation_max_rel_error": self.validation_max_error,
+            "validation": self.validation(),
+            "measurements": self.sources,
+            "searches": [{k: getattr(s, k) for k in _SEARCH_FIELDS}
+                         | {"samples": len(s.samples), "frontier": len(s.frontier)}
+                         for s in self.searches],
+            "timings_s": self.timings_s,
+            "this_run": {s.partition: {k: getattr(s, k) for k in _RUN_FIELDS}
+                         for s in self.searches},
+        }

@@ -1,0 +1,230 @@
+"""Searching many partitions at once: a local process pool (default) or Ray tasks.
+
+A task carries only plain data (the job as JSON, the partition key, the search settings,
+the backend spec, the journal path); each worker rebuilds the job, its backend and its
+own journal connection, and returns its SearchResult as a dict, turned back into a
+SearchResult here. Emulator noise depends on (seed, setting), not on call order, and
+each search is seeded, so the results are identical whichever executor runs them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kareus.backends.factory import BackendSpec, open_backend, open_prior
+from kareus.errors import KareusError, SpecError
+from kareus.job.spec import JobSpec, validate_job
+from kareus.ray_support import ray_session
+from kareus.search.loop import SearchConfig, SearchResult, run_search
+from kareus.search.surrogate import SurrogateConfig
+from kareus.store import Journal
+from kareus.workload.partition import PartitionSet
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """Where searches run: ``local`` (a process pool of ``workers``) or ``ray``."""
+
+    name: str = "local"
+    workers: int | None = None
+    ray_address: str | None = None
+    ray_timeout_s: float = 30.0
+    """How long to try reaching the Ray cluster before one clear error."""
+
+    def check(self) -> None:
+        """Bad settings, and an unreachable Ray cluster, fail here: before any work starts
+        and before anything is written."""
+        if self.name not in EXECUTORS:
+            raise SpecError(f"unknown executor {self.name!r}; known: {', '.join(EXECUTORS)}")
+        if self.workers is not None and self.workers < 1:
+            raise SpecError(f"--workers must be at least 1, got {self.workers}")
+        if self.ray_timeout_s <= 0:
+            raise SpecError(f"--ray-timeout must be positive, got {self.ray_timeout_s}")
+        if self.name == "ray" and self.ray_address not in (None, "auto", "local"):
+            _probe(self.ray_address, self.ray_timeout_s)
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Reach the cluster's address (GCS "host:port" or Ray Client "ray://host:port") with
+    a plain TCP connection: Ray's own client retries an unreachable address for minutes."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise SpecError(f"--ray-address must be host:port or ray://host:port, got {address!r}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as exc:
+            if time.monotonic() + 1.0 > deadline:
+                raise KareusError(f"cannot reach the Ray cluster at {address} within "
+                                  f"{timeout_s:g} s: {exc}") from None
+            time.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class SearchTask:
+    """One partition's search, as plain data."""
+
+    job: dict[str, Any]
+    partition: str
+    config: dict[str, Any]
+    backend: dict[str, Any] = field(default_factory=lambda: BackendSpec().to_dict())
+    journal: str | None = None
+    prior: str | None = None
+    """"emulator": the nominal emulator's predictions inform the search."""
+
+    @property
+    def runs_on_gpu(self) -> bool:
+        return self.backend.get("name") == "nvml"
+
+
+def make_task(job: JobSpec, partition: str, config: SearchConfig,
+              backend: BackendSpec | None = None, journal: str | None = None,
+              prior: str | None = None) -> SearchTask:
+    return SearchTask(job=job.model_dump(mode="json"), partition=partition,
+                      config=asdict(config), backend=(backend or BackendSpec()).to_dict(),
+                      journal=journal, prior=prior)
+
+
+def _config(doc: dict[str, Any]) -> SearchConfig:
+    cfg = dict(doc)
+    cfg["surrogate"] = SurrogateConfig(**cfg.get("surrogate", {}))
+    cfg["shares"] = tuple(cfg["shares"])
+    return SearchConfig(**cfg)
+
+
+def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = None
+             ) -> SearchResult:
+    """Run one partition's search."""
+    job = validate_job(task.job)
+    ps = PartitionSet.from_job(job)
+    prior = open_prior(task.prior, job)
+    config = _config(task.config)
+    journal = Journal(task.journal) if task.journal else None
+    try:
+        jid = journal.register_job(job) if journal is not None else ""
+        with open_backend(job, BackendSpec.from_dict(task.backend)) as backend:
+            return run_search(ps[task.partition], backend, job.freqs_mhz, config, journal,
+                              jid, prior, progress)
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+def _run_task_as_dict(task: SearchTask) -> dict[str, Any]:
+    return run_task(task).to_dict()
+
+
+# Workers report progress through a queue the parent polls.
+_QUEUE: Any = None
+
+_PARENT_POLL_S = 0.5
+
+
+def _init_worker(queue: Any, parent_pid: int) -> None:
+    global _QUEUE
+    _QUEUE = queue
+    # A worker dies with its parent, SIGKILL of the parent included: a daemon thread polls
+    # the parent and ends this process when it is gone (no parent-death signal is used:
+    # on Linux it fires when the spawning *thread* exits, not the process). A journal row
+    # is one committed transaction, so an exit never leaves a partial row.
+    threading.Thread(target=_exit_with, args=(parent_pid,), daemon=True).start()
+
+
+def _exit_with(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _run_in_worker(task: SearchTask) -> dict[str, Any]:
+    queue = _QUEUE
+
+    def report(done: int, total: int) -> None:
+        if queue is not None:
+            queue.put((task.partition, done, total))
+
+    return run_task(task, report).to_dict()
+
+
+TaskProgress = Callable[[str, int, int], None]
+"""progress(partition key, samples so far, budget)."""
+
+
+def run_tasks(tasks: list[SearchTask], executor: ExecutorSpec | None = None,
+              progress: TaskProgress | None = None) -> list[SearchResult]:
+    """Run every task; results in the order of ``tasks``."""
+    ex = executor or ExecutorSpec()
+    ex.check()
+    if ex.name == "ray":
+        return _run_ray(tasks, ex.ray_address, progress)
+    # one GPU measures one partition at a time: real-GPU searches run in this process
+    if len(tasks) == 1 or ex.workers == 1 or any(t.runs_on_gpu for t in tasks):
+        return [run_task(t, _for_key(progress, t.partition)) for t in tasks]
+    return _run_pool(tasks, ex.workers or min(len(tasks), os.cpu_count() or 1), progress)
+
+
+def _for_key(progress: TaskProgress | None, key: str) -> Callable[[int, int], None] | None:
+    if progress is None:
+        return None
+    return lambda done, total: progress(key, done, total)
+
+
+def _run_pool(tasks: list[SearchTask], workers: int, progress: TaskProgress | None
+              ) -> list[SearchResult]:
+    """A pool of spawned processes (no forked copies of XGBoost or SQLite state). Leaving
+    the pool's block terminates its workers whatever happened: a failed search, Ctrl-C or
+    SIGTERM stops the others at once instead of waiting for them to finish."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    results: dict[int, SearchResult] = {}
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(q, os.getpid())) as pool:
+        pending = {i: pool.apply_async(_run_in_worker, (t,)) for i, t in enumerate(tasks)}
+        while pending:
+            for i in [i for i, r in pending.items() if r.ready()]:
+                results[i] = SearchResult.from_dict(pending.pop(i).get())  # raises its error
+            _drain(q, progress, timeout_s=0.05)
+        _drain(q, progress, timeout_s=0.0)
+    return [results[i] for i in range(len(tasks))]
+
+
+def _drain(q: Any, progress: TaskProgress | None, timeout_s: float) -> None:
+    try:
+        while True:
+            key, done, total = q.get(timeout=timeout_s) if timeout_s else q.get_nowait()
+            if progress is not None:
+                progress(key, done, total)
+    except queue_mod.Empty:
+        pass
+
+
+def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgress | None
+             ) -> list[SearchResult]:
+    with ray_session(address) as ray:
+        remote = ray.remote(_run_task_as_dict)
+        refs = [remote.remote(t) for t in tasks]
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: dict[int, SearchResult] = {}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                i = index[ref]
+                results[i] = SearchResult.from_dict(ray.get(ref))
+                if progress is not None:
+                    n = len(results[i].samples)
+                    progress(tasks[i].partition, n, n)
+        return [results[i] for i in range(len(tasks))]

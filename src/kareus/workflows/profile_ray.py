@@ -1,0 +1,366 @@
+"""`kareus profile --executor ray`: each partition's TP/CP group profiled on a Ray cluster.
+
+A partition is a unit: a STRICT_PACK placement group (one node) with a bundle per rank
+(``{"GPU": 1, "CPU": 1}``, or ``{"CPU": 1}`` off GPUs), an actor per bundle; the actors set
+up their own process group and search as `kareus.workflows.profile.profile` does under torchrun.
+Units run in parallel as resources allow. The journal stays on the driver: ranks read a
+snapshot (`ProxyJournal`) and send writes to a queue the driver drains and commits as it
+waits. A unit whose actor or node dies, or that is not placed in time, is retried from a
+fresh snapshot: it measures only what is not journaled yet. Then the steps outside
+partitions run as one more unit on the job's largest TP/CP group (collectives need the
+group; the driver need not have GPUs). Emulator and replay units have one rank each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+from kareus.backends.agreed import AgreedBackend
+from kareus.backends.factory import BackendSpec, open_backend
+from kareus.core import Knobs, Measurement
+from kareus.errors import KareusError, SpecError
+from kareus.job.spec import JobSpec, validate_job
+from kareus.ray_support import import_ray, ray_session
+from kareus.search.loop import SearchConfig, SearchResult, run_search
+from kareus.store import Journal, StoredSample
+from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.profile import (
+    COMPOSITION,
+    ProfileProgress,
+    ProfileResult,
+    measure_composition,
+)
+from kareus.workload.partition import PartitionSet
+
+DIE_ENV = "KAREUS_TEST_RAY_DIE"
+"""Test hook, read by the driver: ``KEY:RANK:N`` makes rank RANK of unit KEY exit after N
+measurements, on the unit's first attempt only (a node dying mid-search)."""
+
+Parts = dict[str, dict[tuple[str, Knobs], Measurement]]
+Ops = dict[str, dict[tuple[str, int, int], Measurement]]
+
+
+class ProxyJournal:
+    """A `JournalLike` away from the journal: reads come from a snapshot (per backend
+    identity) and its own writes; writes go to ``sink`` as messages the driver journals."""
+
+    def __init__(self, jid: str, partitions: Parts, ops: Ops) -> None:
+        self.jid, self.partitions, self.ops = jid, partitions, ops
+        self.sink: Any = None
+        """Has ``put(message)`` (a Ray queue); None: a rank that never writes."""
+
+    @classmethod
+    def snapshot(cls, journal: Journal, jid: str, identities: Iterable[str],
+                 key: str | None) -> ProxyJournal:
+        """What ``journal`` holds of partition ``key`` (None: all partitions, and ops)."""
+        parts = {i: {k: m for k, m in journal.partition_samples(jid, i).items()
+                     if key in (None, k[0])} for i in identities}
+        return cls(jid, parts, {i: journal.op_samples(jid, i) for i in parts if not key})
+
+    def _send(self, *msg: Any) -> None:
+        if self.sink is None:
+            raise KareusError("only rank 0 writes the journal")
+        self.sink.put(msg)
+
+    def register_backend(self, identity: str, info: dict[str, object]) -> None:
+        self._send("backend", identity, info)
+
+    def record(self, jid: str, partition: str, backend: str, knobs: Knobs, m: Measurement
+               ) -> None:
+        self._send("record", jid, partition, backend, knobs, m)
+        self.partitions.setdefault(backend, {}).setdefault((partition, knobs), m)
+
+    def record_ops(self, jid: str, ops: str, backend: str, freq_mhz: int, sms: int,
+                   m: Measurement) -> None:
+        self._send("ops", jid, ops, backend, freq_mhz, sms, m)
+        self.ops.setdefault(backend, {}).setdefault((ops, freq_mhz, sms), m)
+
+    def samples(self, jid: str, partition: str, backend: str) -> list[StoredSample]:
+        return [StoredSample(k, m) for (p, k), m in
+                self.partition_samples(jid, backend).items() if p == partition]
+
+    def partition_samples(self, jid: str, backend: str
+                          ) -> dict[tuple[str, Knobs], Measurement]:
+        return dict(self.partitions.get(backend, {})) if jid == self.jid else {}
+
+    def op_samples(self, jid: str, backend: str) -> dict[tuple[str, int, int], Measurement]:
+        return dict(self.ops.get(backend, {})) if jid == self.jid else {}
+
+    def progress(self, label: str) -> Callable[[int, int], None]:
+        """A progress callback, reported to the driver under ``label``."""
+        return lambda done, total: self._send("progress", label, done, total)
+
+
+@dataclass(frozen=True)
+class RankTask:
+    """What one rank of a unit (a partition key, or `COMPOSITION`) runs."""
+
+    job: dict[str, Any]
+    key: str
+    rank: int
+    world: int
+    backend: BackendSpec
+    config: SearchConfig
+    sink: Any
+    die_after: int | None = None
+
+
+class RankActor:
+    """One rank of a unit: a Ray actor in one bundle of the unit's placement group."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (rank 0 hosts the process group)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return str(import_ray().util.get_node_ip_address()), int(s.getsockname()[1])
+
+    def run(self, address: tuple[str, int], journal: ProxyJournal, task: RankTask
+            ) -> dict[str, Any] | None:
+        """The unit's search (or the composition steps); rank 0 returns its result."""
+        job = validate_job(task.job)
+        with _rank_group(task, address) as group:
+            spec = replace(task.backend, gpu_index=group.local_rank, torch_device=group.device
+                           ) if task.backend.name in ("nvml", "fakegpu") else task.backend
+            record = task.rank == 0
+            journal.sink = task.sink if record else None
+            report = journal.progress(task.key) if record else None
+            with open_backend(job, spec, group.collectives, group.agree) as raw:
+                be = AgreedBackend(raw, _agree(group, task.die_after))
+                # without clock changes the job's one clock (BackendSpec.check), as in
+                # kareus.workflows.profile: the nvml backend refuses while the GPU runs another
+                freqs = job.freqs_mhz
+                ps = PartitionSet.from_job(job)
+                if task.key == COMPOSITION:
+                    needed, measured = measure_composition(ps, be, journal, journal.jid,
+                                                           freqs, record, report)
+                    return {"needed": needed, "measured": measured} if record else None
+                result = run_search(ps[task.key], be, freqs, task.config, journal,
+                                    journal.jid, progress=report, record=record,
+                                    agree=group.agree)
+                return result.to_dict() if record else None
+
+
+@contextmanager
+def _rank_group(task: RankTask, address: tuple[str, int]) -> Iterator[Any]:
+    """The unit's process group as a `TorchrunGroup` (``local_rank``: the GPU index). Ray
+    shows an actor only its own GPU: the node's are made visible again (NCCL then connects
+    the group's GPUs directly; Zeus, NVML and torch agree on indices)."""
+    from kareus.gpu.distributed import TorchrunGroup
+    from kareus.gpu.nccl import NcclCollectives
+
+    gpu = task.backend.name == "nvml"
+    gid = str(import_ray().get_gpu_ids()[0]) if gpu else ""  # a UUID: keep Ray's view
+    if gid.isdigit():
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # before CUDA is initialised
+    index = (int(gid) if gid.isdigit() else 0) if gpu else task.rank
+    device = f"cuda:{index}" if gpu else "cpu"
+    if task.world == 1:
+        yield TorchrunGroup(0, 1, index, None, device)
+        return
+    import torch
+    import torch.distributed as dist
+
+    if gpu:
+        torch.cuda.set_device(index)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method="tcp://{}:{}".format(
+        *address), rank=task.rank, world_size=task.world, timeout=timedelta(minutes=10))
+    try:
+        yield TorchrunGroup(task.rank, task.world, index, NcclCollectives(device), device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _agree(group: Any, die_after: int | None) -> Callable[[Measurement], Measurement]:
+    count = itertools.count(1)
+
+    def agree(m: Measurement) -> Measurement:
+        if die_after is not None and next(count) > die_after:
+            os._exit(1)  # the test hook: this rank's node dies
+        return group.agree(m)
+
+    return agree
+
+
+def profile_ray(job: JobSpec, journal: str, backend: BackendSpec,
+                config: SearchConfig | None = None, keys: Sequence[str] | None = None,
+                progress: ProfileProgress | None = None, composition: bool = True,
+                executor: ExecutorSpec | None = None, retries: int = 2,
+                placement_timeout_s: float = 600.0) -> ProfileResult:
+    """`kareus.workflows.profile.profile` with each partition's TP/CP group a unit of work on
+    the Ray cluster at ``executor.ray_address`` (default: a local Ray), units in parallel;
+    the journal is written here only. A unit whose node dies is retried up to ``retries``
+    times, reusing what it journaled before."""
+    cfg = config or SearchConfig()
+    ps = PartitionSet.from_job(job)
+    keys = list(keys or ps.keys)
+    if retries < 0:
+        raise SpecError(f"--ray-retries must be >= 0, got {retries}")
+    # the driver need not have a GPU: a real GPU is checked where it is opened, on a rank
+    (replace(backend, name="fakegpu") if backend.name == "nvml" else backend).check(job)
+    for k in keys:
+        cfg.check(ps[k].knob_space_size(len(job.freqs_mhz)), False)
+    (ex := executor or ExecutorSpec("ray")).check()
+    one = backend.name not in ("nvml", "fakegpu")  # no GPU path: one rank a unit
+    with ray_session(ex.ray_address) as ray, Journal(journal) as store:
+        driver = _Driver(ray, store, job, backend, cfg, progress, retries,
+                         placement_timeout_s)
+        try:
+            docs = driver.run_all([_Unit(k, 1 if one else ps[k].collective.group_size)
+                                   for k in keys])
+            result = ProfileResult([SearchResult.from_dict(docs[k]) for k in keys])
+            if composition:
+                size = 1 if one else max(ps[k].collective.group_size for k in ps.keys)
+                doc = driver.run_all([_Unit(COMPOSITION, size)])[COMPOSITION]
+                result.composition_needed = int(doc["needed"])
+                result.composition_measured = int(doc["measured"])
+        finally:
+            driver.drain()
+            ray.kill(driver.queue.actor)
+        return result
+
+
+@dataclass
+class _Unit:
+    key: str
+    size: int
+    attempt: int = 0
+    pg: Any = None
+    ready: Any = None
+    since: float = 0.0
+    actors: list[Any] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)
+
+
+class _Driver:
+    """Starts units, journals what their ranks send, retries units that died."""
+
+    def __init__(self, ray: Any, store: Journal, job: JobSpec, backend: BackendSpec,
+                 config: SearchConfig, progress: ProfileProgress | None, retries: int,
+                 placement_timeout_s: float) -> None:
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.ray, self.store, self.backend, self.config = ray, store, backend, config
+        self.job, self.jid = job.model_dump(mode="json"), store.register_job(job)
+        self.progress, self.retries, self.timeout_s = progress, retries, placement_timeout_s
+        self.gpu = backend.name == "nvml"
+        self.actor = ray.remote(RankActor)
+        here = ray.get_runtime_context().get_node_id()  # the queue dies only with us
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":
+                                          NodeAffinitySchedulingStrategy(here, soft=False)})
+        self.last_end = time.monotonic()
+        x = ray.exceptions
+        self.death = (x.RayActorError, x.NodeDiedError, x.WorkerCrashedError,
+                      x.ObjectLostError, x.ActorPlacementGroupRemoved)
+
+    def run_all(self, units: list[_Unit]) -> dict[str, dict[str, Any]]:
+        """Run ``units`` to the end; rank 0's result of each."""
+        done: dict[str, dict[str, Any]] = {}
+        live = list(units)
+        try:
+            for u in live:
+                self._start(u)
+            while live:
+                refs = [r for u in live for r in u.refs]
+                self.ray.wait(refs, num_returns=len(refs), timeout=0.2)
+                self.drain()
+                for u in list(live):
+                    if (doc := self._poll(u)) is not None:
+                        done[u.key] = doc
+                        live.remove(u)
+                        self._stop(u)
+        finally:
+            for u in live:
+                self._stop(u)
+        return done
+
+    def drain(self) -> None:
+        """Journal (committed) what the ranks sent so far; report their progress."""
+        while n := self.queue.size():
+            for kind, *rest in self.queue.get_nowait_batch(n):
+                act: Any = {
+                    "backend": self.store.register_backend, "record": self.store.record,
+                    "ops": self.store.record_ops}.get(kind, self.progress)
+                if act is not None:
+                    act(*rest)
+
+    def _start(self, u: _Unit) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as In
+
+        bundle = {"GPU": 1, "CPU": 1} if self.gpu else {"CPU": 1}
+        u.pg = placement_group([dict(bundle) for _ in range(u.size)], strategy="STRICT_PACK")
+        u.ready, u.since = u.pg.ready(), time.monotonic()
+        u.actors = [self.actor.options(num_cpus=1, num_gpus=int(self.gpu), max_restarts=0,
+                                       scheduling_strategy=In(u.pg, placement_group_bundle_index=i)
+                                       ).remote() for i in range(u.size)]
+        address = u.actors[0].address.remote()
+        ids = self.store.identities(self.jid)  # (one that measured nothing: no reuse)
+        hook = os.environ.get(DIE_ENV, "::").rsplit(":", 2)  # [key, rank, after]
+        snap = self.ray.put(ProxyJournal.snapshot(self.store, self.jid, ids,
+                                                  None if u.key == COMPOSITION else u.key))
+        u.refs = [a.run.remote(address, snap, RankTask(
+            self.job, u.key, r, u.size, self.backend, self.config, self.queue,
+            int(hook[2]) if hook[:2] == [u.key, str(r)] and not u.attempt else None))
+            for r, a in enumerate(u.actors)]
+
+    def _poll(self, u: _Unit) -> dict[str, Any] | None:
+        """Rank 0's result once every rank ended; None while it runs (or was restarted)."""
+        ready, _ = self.ray.wait(u.refs, num_returns=len(u.refs), timeout=0)
+        if not ready:
+            placed, _ = self.ray.wait([u.ready], timeout=0)
+            if not placed and time.monotonic() - max(u.since, self.last_end) > self.timeout_s:
+                self._retry(u, f"no node hosted {u.size} ranks within {self.timeout_s:g} s")
+            return None
+        if not self._errors(ready):
+            return self.ray.get(u.refs[0]) if len(ready) == len(u.refs) else None
+        # a rank failed: give its peers a moment to show whether one of them died
+        ready, _ = self.ray.wait(u.refs, num_returns=len(u.refs), timeout=5.0)
+        errors = self._errors(ready)
+        dead = [e for e in errors if isinstance(e, self.death)]
+        if dead:
+            self._retry(u, str(dead[0]).splitlines()[0])
+            return None
+        self._stop(u)
+        cause = getattr(errors[0], "cause", None)
+        if isinstance(cause, KareusError):  # a user error on a rank: its own one line
+            raise KareusError(f"profiling {u.key}: {cause}") from None
+        raise KareusError(f"profiling {u.key} failed: {errors[0]}") from errors[0]
+
+    def _errors(self, refs: list[Any]) -> list[BaseException]:
+        errors = []
+        for ref in refs:
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayError as exc:
+                errors.append(exc)
+        return errors
+
+    def _retry(self, u: _Unit, why: str) -> None:
+        self._stop(u)
+        u.attempt += 1
+        if u.attempt > self.retries:
+            raise KareusError(f"profiling {u.key} failed {u.attempt} times; last: {why}")
+        logging.getLogger(__name__).warning("profiling %s: %s; retry %d of %d", u.key, why,
+                                            u.attempt, self.retries)
+        self.drain()  # the retry's snapshot holds what the failed attempt journaled
+        self._start(u)
+
+    def _stop(self, u: _Unit) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for a in u.actors:
+            self.ray.kill(a, no_restart=True)
+        if u.pg is not None:
+            remove_placement_group(u.pg)
+        u.pg, u.ready, u.actors, u.refs = None, None, [], []
+        self.last_end = time.monotonic()

@@ -1,0 +1,371 @@
+"""Partitions, their keys and launch slots, exactly as Kareus defines them.
+
+Each microbatch is split into two nanobatches. A pipeline instruction's op list is cut at
+every collective into segments; the compute stream runs nanobatch 0's segment i, then
+nanobatch 1's segment i, then nanobatch 0's segment i+1, ... A partition is the compute of
+one such segment plus the collective that was issued just before it by the other
+nanobatch, which runs on the communication stream while the segment computes. The first
+segment of an instruction has no collective to hide ("solo"), and the last collective of
+the instruction runs alone ("exposed").
+
+Keys: ``{fwd|bwd}_{segment}`` (a recomputed forward is ``fwd``), with a suffix naming the
+overlapped collective (``_ar`` all-reduce, ``_ag`` all-gather, ``_rs`` reduce-scatter)
+only when the same segment meets collectives of more than one kind. With CP=1 this gives
+``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``; with CP>1 the twelve published keys
+(segments ``qkv``/``ao``/``mlp`` forward, ``mlp``/``o``/``a``/``qkv`` backward). With
+sequence parallelism the TP collectives become all-gather/reduce-scatter and the norms form
+their own segments (``ln1``, ``ln2``), for example ``fwd_attn_ag``, ``fwd_attn_rs``,
+``fwd_ln1_ag``; when TP and CP all-gathers meet the same segment, the suffix names the group
+too (``_tpag``, ``_cpag``). Identical partitions across layers and stages share one key.
+
+Launch slots (docs/anchors.md §4): consecutive memory-bound ops merge into one slot named by the
+first (``norm``, ``rope``, ``activation``); every GEMM is a ``linear`` slot and attention an
+``attn`` slot; slots are numbered per class in execution order. Launching "before slot X"
+starts the collective when the compute stream reaches X; ``None`` means no overlap (the
+collective starts after the partition's last compute op).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kareus import SCHEMA_VERSION
+from kareus.core import DIRECTIONS, LAUNCH_FIRST
+from kareus.errors import SpecError
+from kareus.job.spec import JobSpec
+from kareus.workload.graph import ExecutionGraph
+from kareus.workload.layer import backward_ops, forward_ops
+from kareus.workload.memory import check_fits
+from kareus.workload.ops import Collective, ComputeOp, Op, Segment
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    op_index: int
+    """Index in the partition's compute ops of the slot's first op."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    key: str
+    direction: str
+    """"forward" or "backward": the kind of compute (a recomputed forward is "forward")."""
+    segment: str
+    compute_ops: tuple[ComputeOp, ...]
+    collective: Collective
+    slots: tuple[Slot, ...]
+    sm_choices: tuple[int, ...]
+    count_per_layer: int
+    """Occurrences per microbatch of one interior layer, in all its instructions."""
+    count_forward: tuple[int, ...]
+    """Occurrences per microbatch in the forward instruction of each stage."""
+    count_backward: tuple[int, ...]
+    """Occurrences per microbatch in the backward instruction of each stage."""
+
+    @property
+    def count_per_stage(self) -> tuple[int, ...]:
+        return tuple(f + b for f, b in zip(self.count_forward, self.count_backward, strict=True))
+
+    @property
+    def launch_options(self) -> tuple[str | None, ...]:
+        return (*(s.name for s in self.slots), None)
+
+    def launch_index(self, slot: str | None) -> int:
+        """Index of the compute op before which the collective starts (len(ops) for None)."""
+        if slot is None or slot == "none":
+            return len(self.compute_ops)
+        for s in self.slots:
+            if s.name == slot:
+                return s.op_index
+        raise SpecError(
+            f"partition {self.key} has no slot {slot!r}; slots: "
+            f"{', '.join(s.name for s in self.slots)} or none"
+        )
+
+    def resolve_slot(self, slot: str | None) -> str | None:
+        """A plan's slot for this partition: `LAUNCH_FIRST` is its first slot."""
+        return self.slots[0].name if slot == LAUNCH_FIRST else slot
+
+    def knob_space_size(self, num_freqs: int) -> int:
+        return num_freqs * len(self.sm_choices) * len(self.launch_options)
+
+    @property
+    def compute_flops(self) -> float:
+        return float(sum(op.flops for op in self.compute_ops))
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "direction": self.direction,
+            "segment": self.segment,
+            "count_per_layer": self.count_per_layer,
+            "count_per_stage": list(self.count_per_stage),
+            "count_per_instruction": {
+                "forward": list(self.count_forward),
+                "backward": list(self.count_backward),
+            },
+            "compute_ops": [op.to_dict() for op in self.compute_ops],
+            "collective": self.collective.to_dict(),
+            "slots": [s.name for s in self.slots],
+            "sm_choices": list(self.sm_choices),
+        }
+
+
+StepKind = Literal["op", "solo", "partition", "exposed", "overlap"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of an instruction: ops back to back (an outside op, a solo segment, an
+    exposed collective), a searched partition (``key``), or an "overlap": a weight gradient
+    GEMM with the input-gradient collective Megatron runs beside it (``unit``, measured as
+    a partition at the backend's default SMs, never searched)."""
+
+    kind: StepKind
+    ops: tuple[Op, ...]
+    key: str | None = None
+    unit: Partition | None = None
+
+
+def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = False
+                   ) -> list[Step]:
+    """Ops as Megatron-LM runs them: back to back, every collective blocking the compute
+    stream, except an input-gradient collective (`overlaps_weight_grad`), issued after its
+    data gradient GEMM and run beside the weight gradient GEMM (an "overlap" step).
+    ``one_step_per_op``: each op its own step (ops outside the layers)."""
+    steps: list[Step] = []
+    run: list[Op] = []
+
+    def flush() -> None:
+        if run:
+            steps.extend([Step("op", (o,)) for o in run] if one_step_per_op
+                         else [Step("op", tuple(run))])
+            run.clear()
+
+    i = 0
+    while i < len(ops):
+        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        if (isinstance(op, ComputeOp) and not op.opens_slot and isinstance(nxt, Collective)
+                and nxt.overlaps_weight_grad):
+            flush()
+            steps.append(Step("overlap", (op, nxt), None, _overlap_unit(op, nxt, direction)))
+            i += 2
+            continue
+        run.append(op)
+        i += 1
+    flush()
+    return steps
+
+
+def _overlap_unit(wgrad: ComputeOp, coll: Collective, direction: str) -> Partition:
+    return Partition(key=f"overlap_{wgrad.name}_{coll.name}", direction=direction,
+                     segment=wgrad.name, compute_ops=(wgrad,), collective=coll,
+                     slots=make_slots((wgrad,)), sm_choices=(), count_per_layer=0,
+                     count_forward=(), count_backward=())
+
+
+@dataclass(frozen=True)
+class InstructionLayout:
+    """What one microbatch's forward or backward runs on one stage, in order."""
+
+    stage: int
+    direction: str
+    steps: tuple[Step, ...]
+    before: tuple[Step, ...] = ()
+    """The steps outside the layers that open ``steps`` (embedding, received inputs)..."""
+    after: tuple[Step, ...] = ()
+    """... and those that close it (LM head and loss, their backward): shared with
+    Megatron-LM's execution of the same instruction."""
+
+    def partition_counts(self) -> Counter:
+        return Counter(s.key for s in self.steps if s.kind == "partition")
+
+
+def make_slots(ops: tuple[ComputeOp, ...]) -> tuple[Slot, ...]:
+    slots: list[Slot] = []
+    numbers: Counter = Counter()
+    prev_memory = False
+    for i, op in enumerate(ops):
+        is_memory = op.kind == "memory"
+        if (is_memory and prev_memory) or (not op.opens_slot and slots):
+            continue  # consecutive memory-bound ops share the first one's slot; so does a
+            # weight gradient GEMM with its data gradient GEMM
+        cls = op.slot_class
+        slots.append(Slot(f"{cls}_{numbers[cls]}", i))
+        numbers[cls] += 1
+        prev_memory = is_memory
+    return tuple(slots)
+
+
+def interleave(segments: list[Segment]) -> tuple[list[tuple[Segment, Collective | None]],
+                                                 Collective | None]:
+    """Pair each compute segment with the collective issued just before it.
+
+    Returns (segment, overlapped collective) in compute-stream order for both nanobatches,
+    and the last collective, which has nothing left to hide behind.
+    """
+    pairs: list[tuple[Segment, Collective | None]] = []
+    prev: Collective | None = None
+    for seg in segments:
+        for _nanobatch in range(2):
+            pairs.append((seg, prev))
+            prev = seg.collective
+    return pairs, prev
+
+
+@dataclass
+class PartitionSet:
+    job: JobSpec
+    graph: ExecutionGraph
+    partitions: dict[str, Partition]
+    layouts: dict[tuple[int, str], InstructionLayout] = field(repr=False)
+    sequential_layer: dict[str, tuple[Step, ...]] = field(default_factory=dict, repr=False)
+    """Per direction: one layer as Megatron-LM runs it on a whole microbatch (not split;
+    a backward recomputes the forward first when recompute is on)."""
+
+    def sequential_steps(self, stage: int, direction: str) -> tuple[tuple[Step, ...], int,
+                                                                    tuple[Step, ...]]:
+        """Megatron-LM's instruction: (steps before the layers, number of layers, steps
+        after them)."""
+        layout = self.layouts[(stage, direction)]
+        return layout.before, self.graph.stages[stage].num_layers, layout.after
+
+    @classmethod
+    def from_job(cls, job: JobSpec) -> PartitionSet:
+        """The job's partitions; a job that does not fit its GPUs' memory is refused."""
+        graph = ExecutionGraph.from_job(job)
+        check_fits(graph)
+        return build_partitions(graph)
+
+    def __getitem__(self, key: str) -> Partition:
+        try:
+            return self.partitions[key]
+        except KeyError:
+            raise SpecError(
+                f"no partition {key!r} in this job; keys: {', '.join(self.partitions)}"
+            ) from None
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.partitions)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "job": self.job.model_dump(mode="json"),
+            "partitions": [p.to_dict() for p in self.partitions.values()],
+        }
+
+
+def _collective_tags(graph: ExecutionGraph) -> dict[tuple[str, str], str]:
+    """Suffix for each (kind, group) of the layer collectives; the group is named only when
+    one kind occurs in several groups."""
+    colls = [op for op in (*graph.layer_forward, *graph.layer_backward)
+             if isinstance(op, Collective)]
+    groups_by_kind: dict[str, set[str]] = {}
+    for c in colls:
+        groups_by_kind.setdefault(c.kind, set()).add(c.group)
+    return {
+        (c.kind, c.group): (c.group + c.short_kind if len(groups_by_kind[c.kind]) > 1
+                            else c.short_kind)
+        for c in colls
+    }
+
+
+def build_partitions(graph: ExecutionGraph) -> PartitionSet:
+    job = graph.job
+    tags = _collective_tags(graph)
+
+    # Which collectives each segment meets, seen on a three-layer pass (enough to reach the
+    # steady state from both sides); a suffix is needed where a segment meets several.
+    meets: dict[str, set[str]] = {}
+    for direction in DIRECTIONS:
+        pairs, _ = interleave(graph.pass_segments(direction, 3))
+        for seg, coll in pairs:
+            if coll is not None:
+                meets.setdefault(seg.base_key, set()).add(tags[(coll.kind, coll.group)])
+
+    def key_of(seg: Segment, coll: Collective) -> str:
+        tag = tags[(coll.kind, coll.group)]
+        return seg.base_key if len(meets[seg.base_key]) == 1 else f"{seg.base_key}_{tag}"
+
+    # Steady-state occurrences per layer: pairs whose compute belongs to the middle layer.
+    per_layer: Counter = Counter()
+    for direction in DIRECTIONS:
+        pairs, _ = interleave(graph.pass_segments(direction, 3))
+        per_layer.update(key_of(s, c) for s, c in pairs if c is not None and s.layer == 1)
+
+    prototypes: dict[str, Partition] = {}
+    layouts: dict[tuple[int, str], InstructionLayout] = {}
+    counts: dict[str, dict[str, list[int]]] = {}
+    for stage in graph.stages:
+        for direction in DIRECTIONS:
+            pre = stage.forward_pre if direction == "forward" else stage.backward_pre
+            post = stage.forward_post if direction == "forward" else stage.backward_post
+            before = tuple(blocking_steps(pre, direction, one_step_per_op=True))
+            after = tuple(blocking_steps(post, direction, one_step_per_op=True))
+            steps = list(before)
+            pairs, last = interleave(graph.pass_segments(direction, stage.num_layers))
+            for seg, coll in pairs:
+                if coll is None:
+                    steps.append(Step("solo", seg.ops))
+                    continue
+                key = key_of(seg, coll)
+                steps.append(Step("partition", (*seg.ops, coll), key))
+                if key not in prototypes:
+                    prototypes[key] = _prototype(job, key, seg, coll, per_layer[key])
+                c = counts.setdefault(key, {d: [0] * job.pp for d in DIRECTIONS})
+                c[direction][stage.index] += 1
+            if last is not None:
+                steps.append(Step("exposed", (last,)))
+            steps += after
+            layouts[(stage.index, direction)] = InstructionLayout(
+                stage.index, direction, tuple(steps), before, after
+            )
+
+    order = {s.base_key: i for i, s in enumerate((*graph.forward_segments,
+                                                   *graph.backward_segments))}
+    partitions = {}
+    for key in sorted(prototypes, key=lambda k: (k.startswith("bwd"),
+                                                 order[_base(prototypes[k])], k)):
+        p = prototypes[key]
+        partitions[key] = Partition(
+            **{**p.__dict__,
+               "count_forward": tuple(counts[key]["forward"]),
+               "count_backward": tuple(counts[key]["backward"])}
+        )
+    return PartitionSet(job, graph, partitions, layouts, _sequential_layer(job))
+
+
+def _sequential_layer(job: JobSpec) -> dict[str, tuple[Step, ...]]:
+    fwd = forward_ops(job, sequences=job.micro_batch_size)
+    bwd = backward_ops(job, fwd, sequences=job.micro_batch_size)
+    return {"forward": tuple(blocking_steps(fwd, "forward")),
+            "backward": tuple(blocking_steps([*fwd, *bwd] if job.recompute else bwd,
+                                             "backward"))}
+
+
+def _base(p: Partition) -> str:
+    return f"{'fwd' if p.direction == 'forward' else 'bwd'}_{p.segment}"
+
+
+def _prototype(job: JobSpec, key: str, seg: Segment, coll: Collective, per_layer: int
+               ) -> Partition:
+    sm_choices = (job.sm_choices_all_reduce if coll.kind == "all_reduce"
+                  else job.sm_choices_gather_scatter)
+    return Partition(
+        key=key,
+        direction="forward" if seg.direction == "fwd" else "backward",
+        segment=seg.name,
+        compute_ops=seg.ops,
+        collective=coll,
+        slots=make_slots(seg.ops),
+        sm_choices=tuple(sm_choices),
+        count_per_layer=per_layer,
+        count_forward=(),
+        count_backward=(),
+    )

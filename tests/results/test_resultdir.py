@@ -1,0 +1,190 @@
+"""The result directory: swapped in whole, stamped with the run, refusing stale plans."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from kareus.errors import KareusError
+from kareus.job.sources import build_job
+from kareus.results.resultdir import ResultDir
+from kareus.search import SearchConfig
+from kareus.store import Journal, job_id
+from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.optimize import optimize
+from tests.conftest import run_cli
+
+JOB = build_job("kareus-1", overrides={"num_microbatches": 4,
+                                       "search_freqs_mhz": (1410, 1200)})
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rd") / "run"
+    result = optimize(JOB, str(out), SearchConfig(budget=20, seed=1),
+                      executor=ExecutorSpec(workers=1))
+    return ResultDir(out), result
+
+
+def _consistent(rd: ResultDir) -> str:
+    """Every listed plan readable and of the listed run; no other plan file."""
+    doc = rd.read_result()
+    listed = rd.plan_ids()
+    assert {p.stem for p in rd.plans_dir.glob("*.json")} == listed
+    for pid in listed:
+        plan, _job = rd.read_plan(pid)
+        assert plan.id == pid
+    return doc["run_id"]
+
+
+def test_result_and_plans_carry_the_run_and_the_job(first):
+    rd, result = first
+    doc = rd.read_result()
+    assert doc["run_id"] == result.run_id and doc["job_id"] == job_id(JOB)
+    plan = json.loads(rd.plan_file(doc["methods"]["kareus"]["frontier"][0]["plan"])
+                      .read_text())
+    assert plan["run_id"] == result.run_id and plan["job_id"] == job_id(JOB)
+    assert _consistent(rd) == result.run_id
+
+
+@pytest.mark.parametrize("failing", ["kareus.results.report.frontier_figure",
+                                     "kareus.results.report.timeline_figure",
+                                     "kareus.results.report.markdown_report",
+                                     "kareus.results.resultdir.exchange_dirs"])
+def test_a_crash_while_writing_leaves_the_old_result(first, monkeypatch, failing):
+    rd, result = first
+    before = _consistent(rd)
+    rows = len(Journal(rd.journal).summary())
+
+    def crash(*_args, **_kwargs):
+        raise OSError("killed here")
+
+    monkeypatch.setattr(failing, crash)
+    with pytest.raises(KareusError, match="cannot write the result"):
+        rd.write(dataclasses.replace(result, run_id="crashed"))
+    assert _consistent(rd) == before
+    assert len(Journal(rd.journal).summary()) == rows  # the journal stays in place
+    monkeypatch.undo()
+    rd.prepare()  # the next run removes what the crashed one left beside the directory
+    assert not list(rd.path.parent.glob(f".{rd.path.name}.tmp-*"))
+
+
+def test_a_rewrite_replaces_every_plan_and_keeps_the_journal(first):
+    rd, result = first
+    with Journal(rd.journal) as j:
+        n = sum(r["measurements"] for r in j.summary())
+    fewer = {m: ps[:1] for m, ps in result.plans.items()}
+    rd.write(dataclasses.replace(result, plans=fewer, run_id="second"))
+    assert _consistent(rd) == "second"
+    assert len(rd.plan_ids()) == len(fewer)
+    with Journal(rd.journal) as j:
+        assert sum(r["measurements"] for r in j.summary()) == n
+    rd.write(result)  # back, for the other tests
+    assert _consistent(rd) == result.run_id
+
+
+def test_stale_and_foreign_plan_files_are_refused(first, tmp_path):
+    rd, _result = first
+    listed = sorted(rd.plan_ids())[0]
+    stale = rd.plan_file("kareus-999")
+    stale.write_text(rd.plan_file(listed).read_text())
+    try:
+        with pytest.raises(KareusError, match="lists no plan 'kareus-999'"):
+            rd.read_plan("kareus-999")
+        r = run_cli("plan", "export", "--result", str(rd.path), "--plan", "kareus-999",
+                    "--out", str(tmp_path / "x.json"))
+        assert r.code == 2 and not (tmp_path / "x.json").exists()
+    finally:
+        stale.unlink()
+    doc = json.loads(rd.plan_file(listed).read_text())
+    rd.plan_file(listed).write_text(json.dumps({**doc, "run_id": "another"}))
+    try:
+        with pytest.raises(KareusError, match="another run"):
+            rd.read_plan(listed)
+    finally:
+        rd.plan_file(listed).write_text(json.dumps(doc))
+
+
+def test_out_of_another_job_is_refused_unless_forced(first):
+    rd, _result = first
+    other = build_job("kareus-1")
+    with pytest.raises(KareusError, match="another job"):
+        rd.check_writable(job_id(other))
+    rd.check_writable(job_id(other), force=True)
+    rd.check_writable(job_id(JOB))
+    r = run_cli("optimize", "-p", "kareus-1", "--out", str(rd.path), "--budget", "20")
+    assert r.code == 2 and "another job" in r.err and "--force" in r.err
+
+
+def test_plan_export_never_overwrites_without_force(first, tmp_path):
+    rd, _result = first
+    pid = sorted(rd.plan_ids())[0]
+    out = tmp_path / "plan.json"
+    args = ["plan", "export", "--result", str(rd.path), "--plan", pid]
+    assert run_cli(*args, "--out", str(out)).code == 0
+    out.write_text("mine")
+    r = run_cli(*args, "--out", str(out))
+    assert r.code == 2 and "exists" in r.err and out.read_text() == "mine"
+    assert run_cli(*args, "--out", str(out), "--force").code == 0
+    assert json.loads(out.read_text())["id"] == pid
+    for own in (rd.result_file, rd.plan_file(pid), rd.report):
+        before = own.read_bytes()
+        r = run_cli(*args, "--out", str(own), "--force")
+        assert r.code == 2 and "result directory" in r.err
+        assert own.read_bytes() == before
+
+
+def test_plan_timelines_pictures_and_headline(first, tmp_path):
+    rd, result = first
+    for which in ("max-throughput", "min-energy"):
+        assert rd.timeline(which).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = rd.report.read_text().splitlines()
+    assert report[2].startswith("Against Perseus, Kareus uses ")
+    assert "Iso-time energy" in rd.report.read_text()
+    plan = result.plans["kareus"][0]
+    instr = [e for e in plan.timeline if e.kind != "send"]
+    assert len(instr) == 2 * JOB.pp * JOB.num_microbatches
+    assert max(e.start_s + e.time_s for e in plan.timeline) == pytest.approx(plan.time_s)
+    last = max(instr, key=lambda e: e.start_s + e.time_s)
+    assert last.critical  # what ends the iteration is on the critical path
+    sends = [e for e in plan.timeline if e.kind == "send"]
+    assert len(sends) == 2 * (JOB.pp - 1) * JOB.num_microbatches
+    # the plan file keeps it, and `plan show` draws it
+    again, _job = rd.read_plan(plan.id)
+    assert again.timeline == plan.timeline
+    png = tmp_path / "t.png"
+    r = run_cli("plan", "show", "--result", str(rd.path), "--plan", plan.id, "--png",
+                str(png), "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    knobbed = sum(len(v) for v in plan.execution.instruction_knobs.values())
+    assert sum(row["instructions"] for row in doc["settings"]) == knobbed
+    table = run_cli("plan", "show", "--result", str(rd.path), "--plan", plan.id)
+    assert table.code == 0 and "Partition settings per clock" in table.out
+
+
+def test_progress_output_a_person_reads(first):
+    rd, _result = first
+    r = run_cli("optimize", "-p", "kareus-1", "--microbatches", "4", "--freqs", "1410,1200",
+                "--budget", "20", "--seed", "1", "--workers", "1", "--out", str(rd.path))
+    assert r.code == 0, r.err
+    assert ".py:" not in r.err  # log lines carry no source locations
+    for key in ("fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn"):  # bars end full, say so
+        assert re.search(rf"{key} \(reused 20\).*20/20", r.err), r.err
+    listed = run_cli("journal", "--journal", str(rd.journal))
+    ident = Journal(rd.journal).identities(job_id(JOB))[0]
+    assert ident in listed.out  # never cut, piped or not
+
+
+def test_an_error_after_progress_output_is_one_line(first, tmp_path):
+    rd, _result = first
+    r = run_cli("optimize", "-p", "kareus-1", "--microbatches", "4", "--freqs", "1410,1200",
+                "--budget", "40", "--seed", "1", "--workers", "1", "--out",
+                str(tmp_path / "more"), "--backend", "replay", "--replay-journal",
+                str(rd.journal))
+    assert r.code == 2
+    errors = [line for line in r.err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("kareus: error: journal ")
+    assert "Traceback" not in r.err

@@ -1,0 +1,121 @@
+import json
+
+import pytest
+
+from kareus.job.sources import build_job
+from kareus.plans.plan import DEADLINE_TOLERANCE_S
+from kareus.search import SearchConfig
+from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.optimize import optimize
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module", params=["kareus-1", "kareus-2"])
+def result(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    job = build_job(request.param)
+    return optimize(job, str(out), SearchConfig(budget=30, seed=0),
+                    executor=ExecutorSpec(workers=2)), out
+
+
+def test_every_frontier_plan_matches_the_simulation(result):
+    r, _ = result
+    assert r.validation_max_error < 0.03
+    for plans in r.plans.values():
+        for p in plans:
+            assert p.simulated_time_s == pytest.approx(p.time_s, rel=0.03)
+            assert p.simulated_energy_j == pytest.approx(p.energy_j, rel=0.03)
+
+
+def test_kareus_is_never_dominated_by_perseus_or_nanobatch_perseus(result):
+    r, _ = result
+    kareus = [(p.time_s, p.energy_j) for p in r.plans["kareus"]]
+    for baseline in ("perseus", "nanobatch_perseus"):
+        for p in r.plans[baseline]:
+            # some Kareus plan is at least as fast and as frugal (0.1% tolerance)
+            assert any(t <= p.time_s * 1.001 and e <= p.energy_j * 1.001 for t, e in kareus), (
+                baseline, p.time_s, p.energy_j)
+
+
+def test_result_files(result):
+    r, out = result
+    doc = json.loads((out / "result.json").read_text())
+    assert doc["schema_version"] == 1 and doc["job"]["tp"] == r.job.tp
+    assert set(doc["methods"]) == {"megatron", "nanobatch", "perseus", "nanobatch_perseus",
+                                   "kareus", "kareus_no_freq"}
+    for m in doc["methods"].values():
+        for point in m["frontier"]:
+            assert (out / "plans" / f"{point['plan']}.json").exists()
+    assert doc["metrics"]["kareus"]["iso_time_energy_reduction"] > 0
+    assert (out / "frontier.png").stat().st_size > 10_000
+    report = (out / "report.md").read_text()
+    assert "kareus plan --result" in report and "frontier.png" in report
+
+
+def test_plan_cli_on_the_result(result):
+    _r, out = result
+    fast = run_cli("plan", "--result", str(out), "--max-throughput", "--json").json()
+    low = run_cli("plan", "--result", str(out), "--min-energy", "--json").json()
+    assert fast["time_s"] <= low["time_s"] and fast["energy_j"] >= low["energy_j"]
+    mid = (fast["time_s"] + low["time_s"]) / 2
+    d = run_cli("plan", "--result", str(out), "--deadline", str(mid), "--json").json()
+    assert d["time_s"] <= mid + DEADLINE_TOLERANCE_S  # a typed deadline's rounding slack
+    e = run_cli("plan", "--result", str(out), "--energy-budget", str(fast["energy_j"]),
+                "--json").json()
+    assert e["energy_j"] <= fast["energy_j"]
+    bad = run_cli("plan", "--result", str(out), "--deadline", "0.001")
+    assert bad.code == 2 and "no plan meets" in bad.err and "range" in bad.err
+    both = run_cli("plan", "--result", str(out), "--min-energy", "--max-throughput")
+    assert both.code == 2 and "exactly one" in both.err
+    text = run_cli("plan", "--result", str(out), "--min-energy", "--method", "perseus")
+    assert text.code == 0 and "perseus" in text.out
+
+
+def test_optimize_cli_and_rerun_reuses_the_journal(tmp_path):
+    out = tmp_path / "run"
+    args = ["optimize", "-p", "kareus-1", "--out", str(out), "--budget", "20", "--json"]
+    first = run_cli(*args)
+    assert first.code == 0, first.err
+    again = run_cli(*args).json()
+    # an unchanged rerun measures nothing and writes the same result: plan ids and run id
+    # included; only what this run did (times, measured / reused) differs
+    assert all(r["measured_this_run"] == 0 for r in again["this_run"].values())
+    assert all(r["reused_from_journal"] == 20 for r in again["this_run"].values())
+
+    def content(doc):
+        return {k: v for k, v in doc.items() if k not in ("timings_s", "this_run")}
+
+    assert content(again) == content(first.json())
+    assert json.loads((out / "result.json").read_text())["run_id"] == first.json()["run_id"]
+    table = run_cli("optimize", "-p", "kareus-1", "--out", str(out), "--budget", "20")
+    assert table.code == 0 and "Kareus" in table.out
+
+
+def test_optimize_bad_arguments(tmp_path):
+    r = run_cli("optimize", "-p", "kareus-1", "--out", str(tmp_path), "--budget", "3")
+    assert r.code == 2 and "initial design" in r.err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    r = run_cli("optimize", "-p", "kareus-1", "--out", str(a_file), "--budget", "20")
+    assert r.code == 2 and "cannot create" in r.err and len(r.err.strip().splitlines()) == 1
+
+
+def test_plan_export_cli(result, tmp_path):
+    r, out = result
+    plan_id = r.plans["kareus"][0].id
+    z = tmp_path / "z.py"
+    e = run_cli("plan", "export", "--result", str(out), "--plan", plan_id, "--format", "zeus",
+                "--out", str(z))
+    assert e.code == 0, e.err
+    import ast
+
+    schedule = ast.literal_eval("".join(
+        line for line in z.read_text().splitlines(keepends=True) if not line.startswith("#")))
+    assert len(schedule) == r.job.pp
+    assert len(schedule[0]) == 2 * r.job.num_microbatches
+    j = tmp_path / "p.json"
+    assert run_cli("plan", "export", "--result", str(out), "--plan", plan_id, "--out",
+                   str(j)).code == 0
+    assert json.loads(j.read_text())["id"] == plan_id
+    bad = run_cli("plan", "export", "--result", str(out), "--plan", "../x", "--out", str(j))
+    assert bad.code == 2

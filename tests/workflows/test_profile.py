@@ -1,0 +1,156 @@
+"""`kareus profile` measures everything composition needs, journal first; `kareus optimize
+--measurements` composes from that journal alone, and on the emulator gives the frontiers
+`kareus optimize` gives."""
+
+import json
+
+import pytest
+
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.factory import BackendSpec
+from kareus.job.sources import build_job
+from kareus.search import SearchConfig
+from kareus.store import Journal, job_id
+from kareus.workflows.optimize import optimize
+from kareus.workflows.profile import COMPOSITION, composition_needs, profile
+from kareus.workload.partition import PartitionSet
+from tests.conftest import run_cli
+
+JOB = build_job("kareus-1", overrides={"search_freqs_mhz": (1410, 1200)})
+ARGS = ("-p", "kareus-1", "--freqs", "1410,1200")
+CONFIG = SearchConfig(budget=30, seed=0)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """A whole profile of JOB on the emulator, and its progress reports."""
+    path = str(tmp_path_factory.mktemp("profile") / "j.sqlite")
+    seen: list[tuple[str, int, int]] = []
+    result = profile(JOB, path, BackendSpec(), CONFIG,
+                     progress=lambda k, d, n: seen.append((k, d, n)))
+    return path, result, seen
+
+
+def test_profile_covers_every_partition_and_every_composition_step(profiled):
+    path, result, seen = profiled
+    ps = PartitionSet.from_job(JOB)
+    assert [r.partition for r in result.searches] == ps.keys
+    assert all(r.measured_this_run == len(r.samples) > 0 for r in result.searches)
+    assert result.composition_needed > 0
+    assert result.composition_measured == result.composition_needed
+    # progress per partition, then the steps outside partitions, ending complete
+    assert {k for k, _, _ in seen} == {*ps.keys, COMPOSITION}
+    last = [s for s in seen if s[0] == COMPOSITION][-1]
+    assert last == (COMPOSITION, result.composition_needed, result.composition_needed)
+    with Journal(path) as j:
+        emu = EmulatorBackend(JOB)
+        assert composition_needs(ps, emu, j, job_id(JOB), JOB.freqs_mhz) == []
+        # the fixed steps of every instruction at every clock are in the journal
+        ops = j.op_samples(job_id(JOB), emu.identity())
+        assert {f for _sig, f, _sms in ops} == {1410, 1200}
+
+
+def test_a_second_profile_measures_nothing(profiled):
+    path, first, _ = profiled
+    again = profile(JOB, path, BackendSpec(), CONFIG)
+    assert [r.measured_this_run for r in again.searches] == [0] * len(first.searches)
+    assert again.composition_needed == 0 and again.composition_measured == 0
+
+
+def test_profile_partitions_only_exhaustive(tmp_path):
+    path = str(tmp_path / "j.sqlite")
+    r = profile(JOB, path, BackendSpec(), SearchConfig(strategy="exhaustive"),
+                keys=["fwd_attn"], composition=False)
+    p = PartitionSet.from_job(JOB)["fwd_attn"]
+    assert r.searches[0].measured_this_run == p.knob_space_size(2)
+    assert r.composition_needed == 0
+    with Journal(path) as j:
+        assert j.op_samples(job_id(JOB), EmulatorBackend(JOB).identity()) == {}
+
+
+def _frontiers(doc):
+    return {m: [(p["time_s"], p["energy_j"]) for p in v["frontier"]]
+            for m, v in doc["methods"].items()}
+
+
+def test_measurements_give_the_frontiers_of_optimize(profiled, tmp_path):
+    path, _, _ = profiled
+    direct = optimize(JOB, str(tmp_path / "direct"), CONFIG).to_dict()
+    r = run_cli("optimize", *ARGS, "--measurements", path, "--out", str(tmp_path / "m"),
+                "--json")
+    assert r.code == 0, r.err
+    replayed = r.json()
+    assert replayed["measurements"]["filled"] == []
+    assert replayed["validation_max_rel_error"] is None
+    a, b = _frontiers(direct), _frontiers(replayed)
+    assert a.keys() == b.keys()
+    for method in a:
+        assert len(a[method]) == len(b[method]), method
+        for (t1, e1), (t2, e2) in zip(a[method], b[method], strict=True):
+            assert t2 == pytest.approx(t1, rel=0.01) and e2 == pytest.approx(e1, rel=0.01)
+    report = (tmp_path / "m" / "report.md").read_text()
+    assert "Every number is a measurement from the journal." in report
+
+
+def test_a_journal_without_the_fixed_steps_is_one_line_listing_them(tmp_path):
+    path = str(tmp_path / "j.sqlite")
+    profile(JOB, path, BackendSpec(), CONFIG, composition=False)
+    r = run_cli("optimize", *ARGS, "--measurements", path, "--out", str(tmp_path / "o"))
+    assert r.code == 2
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert "lacks" in lines[0] and "kareus profile" in lines[0]
+    assert "ops embedding" in lines[0] and "1410,1200 MHz" in lines[0]
+    assert not (tmp_path / "o" / "result.json").exists()
+
+
+def test_fill_missing_emulator_says_which_numbers(tmp_path):
+    path = str(tmp_path / "j.sqlite")
+    profile(JOB, path, BackendSpec(), CONFIG, composition=False)
+    r = run_cli("optimize", *ARGS, "--measurements", path, "--fill-missing", "emulator",
+                "--out", str(tmp_path / "o"), "--json")
+    assert r.code == 0, r.err
+    src = r.json()["measurements"]
+    assert src["filled_from"] == "emulator" and len(src["filled"]) > 0
+    assert any(n.startswith("ops embedding") for n in src["filled"])
+    saved = json.loads((tmp_path / "o" / "result.json").read_text())["measurements"]
+    assert saved == src
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert f"{len(src['filled'])} numbers came from the emulator" in report
+
+
+def test_measurement_options_are_checked(tmp_path):
+    r = run_cli("optimize", *ARGS, "--fill-missing", "emulator", "--out", str(tmp_path))
+    assert r.code == 2 and "--measurements" in r.err
+    r = run_cli("optimize", *ARGS, "--measurements", str(tmp_path / "none.sqlite"),
+                "--out", str(tmp_path / "o"))
+    assert r.code == 2 and "journal not found" in r.err
+    assert len(r.err.strip().splitlines()) == 1
+
+
+def test_optimize_on_nvml_without_a_gpu_is_one_line(tmp_path):
+    pytest.importorskip("pynvml")
+    r = run_cli("optimize", "-p", "kareus-1", "--freqs", "1410", "--backend", "nvml",
+                "--out", str(tmp_path / "o"))
+    assert r.code == 2
+    assert r.err.strip().splitlines() == [r.err.strip()]
+    assert "no NVIDIA GPU" in r.err or "needs NVML" in r.err
+
+
+def test_profile_cli_then_replay(tmp_path):
+    path = str(tmp_path / "j.sqlite")
+    r = run_cli("profile", *ARGS, "--backend", "emulator", "--partition", "fwd_mlp",
+                "--strategy", "exhaustive", "--partitions-only", "--journal", path)
+    assert r.code == 0, r.err
+    assert "settings measured" in r.out
+    ok = run_cli("measure", *ARGS, "--backend", "replay", "--replay-journal", path,
+                 "--partition", "fwd_mlp", "--freq", "1200", "--sms", "6", "--json")
+    assert ok.code == 0, ok.err
+    missing = run_cli("measure", *ARGS, "--backend", "replay", "--replay-journal", path,
+                      "--partition", "fwd_attn", "--freq", "1200", "--sms", "6")
+    assert missing.code == 2
+    assert "no measurement of partition fwd_attn at 1200 MHz, 6 SMs" in missing.err
+    assert len(missing.err.strip().splitlines()) == 1
+    absent = run_cli("measure", *ARGS, "--backend", "replay", "--partition", "fwd_mlp",
+                     "--freq", "1200", "--sms", "6")
+    assert absent.code == 2 and "--replay-journal" in absent.err
