@@ -19,10 +19,11 @@ from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import baseline_plan
 from kareus.workload.ops import Collective, Op
+from kareus.workload.workload import Workload
 
 
 def megatron(job: JobSpec, params: EmulatorParams | None = None) -> tuple[float, float]:
-    r = IterationSimulator(partition.PartitionSet.from_job(job),
+    r = IterationSimulator(Workload.build(job).partitions,
                            EmulatorBackend(job, params=params)).run(
         baseline_plan("megatron", job))
     return r.time_s, r.energy_j

@@ -15,12 +15,13 @@ import statistics
 import time
 
 from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.journaled import JournaledBackend
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import solve_frontier
 from kareus.job.sources import build_job
 from kareus.plans.methods import get_method
 from kareus.search import SearchConfig, run_search
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 def main() -> None:
@@ -29,10 +30,11 @@ def main() -> None:
     args = ap.parse_args()
     for preset in ("kareus-1", "llama3.3-70b-64gpu"):
         job = build_job(preset)
-        ps = PartitionSet.from_job(job)
+        ps = Workload.build(job).partitions
         b = EmulatorBackend(job)
         fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-            ps[k], b, job.freqs_mhz, SearchConfig(budget=40)).samples] for k in ps.keys})
+            ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+            SearchConfig(budget=40)).samples] for k in ps.keys})
         for method in ("perseus", "kareus"):
             compose_t, solve_t, n = [], [], 0
             for _ in range(args.repeats):

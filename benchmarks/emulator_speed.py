@@ -17,7 +17,7 @@ from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.core import Knobs
 from kareus.job.sources import build_job
 from kareus.plans.methods import baseline_plan
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -32,7 +32,7 @@ def _median_s(fn, repeats: int) -> float:
 def sweep_720(repeats: int) -> None:
     # fwd_qkv_ar of kareus-2: 18 frequencies x 10 SM choices x 4 launch options = 720
     job = build_job("kareus-2")
-    p = PartitionSet.from_job(job)["fwd_qkv_ar"]
+    p = Workload.build(job).partitions["fwd_qkv_ar"]
     settings = [Knobs(f, n, s) for f in job.freqs_mhz for n in p.sm_choices
                 for s in p.launch_options]
     assert len(settings) == 720
@@ -53,7 +53,7 @@ def iteration(preset: str, repeats: int) -> None:
         plan = baseline_plan(method, job)
 
         def run(plan=plan):
-            ps = PartitionSet.from_job(job)
+            ps = Workload.build(job).partitions
             return IterationSimulator(ps, EmulatorBackend(job)).run(plan)
 
         med = _median_s(run, repeats)

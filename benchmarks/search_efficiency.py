@@ -70,15 +70,24 @@ def _reach(prefix, target=TARGET):
     return None
 
 
+def _journaled(backend, job):
+    """``backend`` journal first, through a journal in memory (each search its own)."""
+    from kareus.backends.journaled import JournaledBackend
+    from kareus.store import Journal
+
+    journal = Journal(":memory:")
+    return JournaledBackend(backend, journal, journal.register_job(job))
+
+
 def run_case(args):
     preset, key, seed, perturbed, strategy = args
     from kareus.backends.emulator import EmulatorBackend
     from kareus.job.sources import build_job
     from kareus.search import SearchConfig, run_search
-    from kareus.workload.partition import PartitionSet
+    from kareus.workload.workload import Workload
 
     job = build_job(preset)
-    p = PartitionSet.from_job(job)[key]
+    p = Workload.build(job).partitions[key]
     params = other_gpu_params(job) if perturbed else None
     truth = EmulatorBackend(job, params=params)
     quality = _quality(job, p, truth)
@@ -86,21 +95,22 @@ def run_case(args):
     out = {"preset": preset, "partition": key, "seed": seed, "perturbed": perturbed,
            "settings": p.knob_space_size(len(job.freqs_mhz))}
     if not perturbed:
-        r = run_search(p, EmulatorBackend(job, noise=NOISE, seed=seed), job.freqs_mhz, full)
+        r = run_search(p, _journaled(EmulatorBackend(job, noise=NOISE, seed=seed), job),
+                       job.freqs_mhz, full)
         prefix = _prefix_ratios(r, truth, p, quality)
         out["mbo"] = {b: _at(prefix, b) for b in BUDGETS}
         out["mbo_reach"] = _reach(prefix)
         out["random"] = {}
         for b in BUDGETS:
-            rr = run_search(p, EmulatorBackend(job, noise=NOISE, seed=seed), job.freqs_mhz,
-                            SearchConfig(strategy="random", seed=seed, budget=b))
+            rr = run_search(p, _journaled(EmulatorBackend(job, noise=NOISE, seed=seed), job),
+                            job.freqs_mhz, SearchConfig(strategy="random", seed=seed, budget=b))
             out["random"][b] = quality.ratio(
                 (m.time_s, m.dynamic_energy_j) for m in
                 (truth.predict(p, s.knobs) for s in rr.samples))
     else:
         for name, prior in (("without_prior", None), ("with_prior", EmulatorBackend(job))):
             real = EmulatorBackend(job, params=params, noise=NOISE, seed=seed)
-            r = run_search(p, real, job.freqs_mhz,
+            r = run_search(p, _journaled(real, job), job.freqs_mhz,
                            replace(full, budget=max(PRIOR_BUDGETS)), prior=prior)
             prefix = _prefix_ratios(r, truth, p, quality)
             out[name] = {"reach": _reach(prefix), "at": {b: _at(prefix, b) for b in
@@ -132,11 +142,11 @@ def main() -> None:
     ap.add_argument("--out", help="write every figure as JSON here")
     args = ap.parse_args()
     from kareus.job.sources import build_job
-    from kareus.workload.partition import PartitionSet
+    from kareus.workload.workload import Workload
 
     cases = []
     for preset in args.jobs.split(","):
-        for key in PartitionSet.from_job(build_job(preset)).keys:
+        for key in Workload.build(build_job(preset)).partitions.keys:
             for seed in range(args.seeds):
                 cases.append((preset, key, seed, False, args.strategy))
                 cases.append((preset, key, seed, True, args.strategy))

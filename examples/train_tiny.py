@@ -38,7 +38,8 @@ from kareus.runtime.frequency_controller import FrequencyController
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.model import LlamaLayer
 from kareus.runtime.primitives import rmsnorm
-from kareus.workload.partition import Partition, PartitionSet
+from kareus.workload.partition import Partition
+from kareus.workload.workload import Workload
 
 HIDDEN, HEADS, KV, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 128, 97, 2
 SEQ, MBS, MICROBATCHES = 32, 4, 2
@@ -99,7 +100,7 @@ def worker(rank, world, port, args):
     if args.backend == "nccl":
         torch.cuda.set_device(rank)
     try:
-        parts = PartitionSet.from_job(job(world)).partitions
+        parts = Workload.build(job(world)).partitions.partitions
         lplan, eplan = layer_plan(parts, args.plan)
         model = TinyLlama(dist.group.WORLD, device)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)

@@ -69,6 +69,7 @@ from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import Method, get_method
 from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "kareus-1"
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace, argv: list[str], device: GPUDevice | None) -> 
     job, job_summary, warning = small_job(device.name, args.fake_device)
     if warning:
         print(f"gpu_check: warning: {warning}", file=sys.stderr)
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     got = measure_on_gpu(args, device, torch_device, ps)
     options, fronts = compose(ps, got["measured"], got["planned"], got["freq"])
     pr: MeasurementProtocol = got["protocol"]

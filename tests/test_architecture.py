@@ -68,3 +68,45 @@ def test_no_import_cycles():
                 graph.add_edge(name, target)
     cycles = list(nx.simple_cycles(graph))
     assert not cycles, cycles[:5]
+
+
+BACKEND_REGISTRY = "kareus.backends.registry"
+
+
+def _backend_names() -> set[str]:
+    from kareus.backends.registry import backend_kinds
+
+    return set(backend_kinds())
+
+
+def _name_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines where a value is compared (==, !=, in, not in, is) with a backend's name."""
+
+    def mentions(node: ast.expr) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(mentions(e) for e in node.elts)
+        return False
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(mentions(e) for e in (node.left, *node.comparators))]
+
+
+def test_no_module_outside_the_backend_registry_compares_a_backend_name():
+    names = _backend_names()
+    found = [f"{name}:{line}" for name, path in _modules().items() if name != BACKEND_REGISTRY
+             for line in _name_comparisons(ast.parse(path.read_text()), names)]
+    assert not found, found
+
+
+def test_the_name_check_finds_a_comparison():
+    names = _backend_names()
+    assert _name_comparisons(ast.parse('if spec.name == "nvml": pass'), names) == [1]
+    assert _name_comparisons(ast.parse('x = b.name in ("fakegpu", "other")'), names) == [1]
+    assert _name_comparisons(ast.parse('x = b.kind != other'), names) == []
+
+
+def test_the_top_level_holds_at_most_ten_modules():
+    modules = [p.stem for p in SRC.glob("*.py") if p.stem != "__init__"]
+    assert len(modules) <= 10, modules

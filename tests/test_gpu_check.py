@@ -15,7 +15,7 @@ from kareus.gpu.check import ops_request  # noqa: E402
 from kareus.gpu.device import FakeDevice  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.plans.methods import display_name  # noqa: E402
-from kareus.workload.partition import PartitionSet  # noqa: E402
+from kareus.workload.workload import Workload  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
@@ -53,7 +53,7 @@ def test_no_clock_is_touched(checked):
 
 def test_every_partition_at_every_setting(checked):
     _, md, doc = checked
-    ps = PartitionSet.from_job(build_job(overrides=gpu_check.FAKE_JOB))
+    ps = Workload.build(build_job(overrides=gpu_check.FAKE_JOB)).partitions
     rows = {(r["label"], r["sms"], r["slot"]) for r in doc["measurements"]
             if r["category"] == "partition setting"}
     for p in ps.partitions.values():
@@ -65,7 +65,7 @@ def test_every_partition_at_every_setting(checked):
 
 def test_every_fixed_step_measured_once(checked):
     _, md, doc = checked
-    ps = PartitionSet.from_job(build_job(overrides=gpu_check.FAKE_JOB))
+    ps = Workload.build(build_job(overrides=gpu_check.FAKE_JOB)).partitions
     fixed = [r for r in doc["measurements"] if r["category"] != "partition setting"]
     labels = {r["label"] for r in fixed}
     for layout in ps.layouts.values():

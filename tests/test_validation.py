@@ -9,14 +9,15 @@ import pytest
 
 from kareus.backends.base import WrappedBackend
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.factory import plan_simulator
+from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
 from kareus.core import Knobs, Measurement
 from kareus.job.sources import build_job
 from kareus.plans.methods import get_method
 from kareus.workflows.optimize import _plans
-from kareus.workload.partition import Partition, PartitionSet
+from kareus.workload.partition import Partition
+from kareus.workload.workload import Workload
 
 JOB = build_job("kareus-1", overrides={"search_freqs_mhz": (1410, 1200),
                                        "sm_choices_all_reduce": (6, 18, 30)})
@@ -43,14 +44,15 @@ class Skewed(WrappedBackend):
 
 def _worst_errors(backend, calibration=None) -> tuple[float, float]:
     """Largest relative time and energy errors over Kareus's frontier plans."""
-    ps = PartitionSet.from_job(JOB)
+    ps = Workload.build(JOB).partitions
     samples = {k: [(kn, backend.measure(ps[k], kn)) for kn in
                    (Knobs(f, n, s) for f in JOB.freqs_mhz for n in ps[k].sm_choices
                     for s in ps[k].launch_options)] for k in ps.keys}
     composer = Composer(ps, backend, JOB.freqs_mhz)
     kareus = get_method("kareus")
     solved = method_frontiers(composer, [kareus], key_frontiers(samples), lambda _m: None)
-    plans, _ = _plans([kareus], solved, composer.f_max, plan_simulator(JOB, calibration),
+    simulator = EmulatorSpec(calibration=calibration).plan_simulator(Workload.build(JOB))
+    plans, _ = _plans([kareus], solved, composer.f_max, simulator,
                       composer.pipeline_costs())
     ps_ = plans["kareus"]
     return (max(abs(p.simulated_time_s / p.time_s - 1) for p in ps_),

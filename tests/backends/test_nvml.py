@@ -4,6 +4,7 @@ pytest.importorskip("torch")
 
 from kareus.backends.base import Backend
 from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.journaled import JournaledBackend
 from kareus.backends.nvml import NvmlBackend
 from kareus.core import Knobs, MeasurementProtocol
 from kareus.errors import SpecError
@@ -12,12 +13,12 @@ from kareus.gpu.device import FakeDevice
 from kareus.job.sources import build_job
 from kareus.search import SearchConfig, run_search
 from kareus.store import Journal, job_id
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 from tests.gpu.test_kernels import TINY
 
 FAST = MeasurementProtocol(window_s=0.005, cooldown_s=0.0, settle_s=0.0)
 JOB = build_job(overrides=TINY)
-PS = PartitionSet.from_job(JOB)
+PS = Workload.build(JOB).partitions
 
 
 def _backend(dev, allow, tmp_path):
@@ -56,13 +57,13 @@ def test_a_search_on_the_nvml_backend_journals_like_the_emulator(tmp_path):
     with Journal(path) as j:
         jid = j.register_job(JOB)
         # without clock changes the search covers the current clock only
-        r = run_search(PS["bwd_mlp"], b, (1410,), cfg, j, jid)
+        r = run_search(PS["bwd_mlp"], JournaledBackend(b, j, jid), (1410,), cfg)
     assert r.measured_this_run == 12
     em = EmulatorBackend(JOB)
     with Journal(path) as j:
         rows = j.samples(job_id(JOB), "bwd_mlp", b.identity())
         jid2 = j.register_job(JOB)
-        run_search(PS["bwd_mlp"], em, (1410,), cfg, j, jid2)
+        run_search(PS["bwd_mlp"], JournaledBackend(em, j, jid2), (1410,), cfg)
         summary = {(e["partition"], e["backend"]): e["measurements"] for e in j.summary()}
     assert len(rows) == 12 and b.identity() == "nvml:A100-40GB"
     assert summary[("bwd_mlp", "nvml:A100-40GB")] == 12

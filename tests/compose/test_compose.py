@@ -2,6 +2,7 @@ import pytest
 
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.backends.journaled import JournaledBackend
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
@@ -11,7 +12,7 @@ from kareus.errors import SpecError
 from kareus.job.sources import build_job
 from kareus.plans.methods import get_method
 from kareus.search import SearchConfig, run_search
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 def _c(n):
@@ -73,11 +74,12 @@ def test_solver_trades_time_for_energy():
 @pytest.fixture(scope="module")
 def k1():
     job = build_job("kareus-1")
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     b = EmulatorBackend(job)
     sim = IterationSimulator(ps, b)
     fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-        ps[k], b, job.freqs_mhz, SearchConfig(budget=40)).samples] for k in ps.keys})
+        ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+        SearchConfig(budget=40)).samples] for k in ps.keys})
     return job, ps, sim, Composer(ps, b, job.freqs_mhz), fronts
 
 

@@ -3,21 +3,23 @@
 import pytest
 
 from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.journaled import JournaledBackend
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import evaluate, solve_frontier
 from kareus.job.sources import build_job
 from kareus.plans.methods import all_methods, get_method
 from kareus.search import SearchConfig, run_search
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 @pytest.fixture(scope="module", params=["kareus-1", "kareus-2"])
 def solved(request):
     job = build_job(request.param)
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     b = EmulatorBackend(job)
     fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-        ps[k], b, job.freqs_mhz, SearchConfig(budget=30)).samples] for k in ps.keys})
+        ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+        SearchConfig(budget=30)).samples] for k in ps.keys})
     comp = Composer(ps, b, job.freqs_mhz)
     costs = comp.pipeline_costs()
     return {m.name: solve_frontier(comp.options(m, fronts), costs) for m in all_methods()
@@ -49,7 +51,7 @@ def test_perseus_fastest_plan_is_megatrons_time_with_less_energy(solved):
 
 def test_megatron_backward_overlaps_the_dgrad_all_reduce_with_wgrad():
     job = build_job("kareus-1")
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     b = EmulatorBackend(job)
     overlaps = [s for s in ps.sequential_layer["backward"] if s.kind == "overlap"]
     assert [s.unit.key for s in overlaps] == ["overlap_fc1_wgrad_fc1_grad_ar",
@@ -76,7 +78,7 @@ def test_collectives_get_the_channels_nccl_picks():
     h100 = EmulatorBackend(build_job("llama3.3-70b-64gpu"))
     assert a100.gpu.nccl_channels == a100.default_sms == 24
     assert h100.gpu.nccl_channels == h100.default_sms == 32
-    ps = PartitionSet.from_job(build_job("kareus-1"))
+    ps = Workload.build(build_job("kareus-1")).partitions
     ar = next(op for op in ps.graph.layer_forward if op.is_collective)
     assert a100.predict_ops((ar,), 1410) == a100.predict_ops((ar,), 1410, 24)
     assert a100.predict_ops((ar,), 1410) != a100.predict_ops((ar,), 1410, 32)

@@ -6,7 +6,7 @@ from kareus.gpu.kernels import build_kernel, build_kernels, stand_in_collective 
 from kareus.gpu.partition_runner import PartitionRunner  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.workload.layer import LayerShapes  # noqa: E402
-from kareus.workload.partition import PartitionSet  # noqa: E402
+from kareus.workload.workload import Workload  # noqa: E402
 
 TINY = dict(model=dict(name="tiny", hidden_size=256, num_layers=4, num_attention_heads=4,
                        num_kv_heads=2, head_dim=64, ffn_hidden_size=512, vocab_size=1000),
@@ -16,7 +16,7 @@ TINY = dict(model=dict(name="tiny", hidden_size=256, num_layers=4, num_attention
 @pytest.mark.parametrize("preset", ["kareus-1", "kareus-2", "kareus-5"])
 def test_kernels_follow_the_partition_at_full_shapes(preset):
     job = build_job(preset)
-    for p in PartitionSet.from_job(job).partitions.values():
+    for p in Workload.build(job).partitions.partitions.values():
         kernels = build_kernels(p, job, device="meta")  # shapes only, nothing computed
         assert [k.name for k in kernels] == [op.name for op in p.compute_ops]
         for k, op in zip(kernels, p.compute_ops):
@@ -33,7 +33,7 @@ def test_kernels_follow_the_partition_at_full_shapes(preset):
 
 def test_kernels_run_on_the_cpu_with_the_collective_at_its_slot():
     job = build_job(overrides=TINY)
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     order = []
     for p in ps.partitions.values():
         kernels = build_kernels(p, job, device="cpu", dtype_name="float32")
@@ -54,7 +54,7 @@ def test_one_kernel_per_op_outside_partitions():
     """`build_kernel` serves ops outside partitions too (the LM head GEMM, the final
     norm): the same kernel `build_kernels` builds for an op of a partition."""
     job = build_job(overrides=TINY)
-    p = PartitionSet.from_job(job)["fwd_mlp"]
+    p = Workload.build(job).partitions["fwd_mlp"]
     shapes = LayerShapes(job)
     for op in p.compute_ops:
         k = build_kernel(op, shapes, "cpu", torch.float32)

@@ -11,14 +11,14 @@ from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.runtime.model import LlamaLayer  # noqa: E402
-from kareus.workload.partition import PartitionSet  # noqa: E402
+from kareus.workload.workload import Workload  # noqa: E402
 
 SHAPE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128)
 JOB = build_job(overrides=dict(
     model=dict(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4,
                num_kv_heads=2, head_dim=16, ffn_hidden_size=128, vocab_size=100),
     tp=2, pp=1, micro_batch_size=2, seq_length=32, gpus_per_node=2, nodes=1))
-PARTS = PartitionSet.from_job(JOB).partitions
+PARTS = Workload.build(JOB).partitions.partitions
 
 PLANS = {
     "no overlap": {k: PartitionSetting(3, None) for k in PARTS},
@@ -92,7 +92,7 @@ JOB_CP = build_job(overrides=dict(
     model=dict(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4,
                num_kv_heads=2, head_dim=16, ffn_hidden_size=128, vocab_size=100),
     tp=1, cp=2, pp=1, micro_batch_size=2, seq_length=32, gpus_per_node=2, nodes=1))
-PARTS_CP = PartitionSet.from_job(JOB_CP).partitions
+PARTS_CP = Workload.build(JOB_CP).partitions.partitions
 PLANS_CP = {
     "no overlap": {k: PartitionSetting(3, None) for k in PARTS_CP},
     "earliest": {k: PartitionSetting(3, p.slots[0].name) for k, p in PARTS_CP.items()},

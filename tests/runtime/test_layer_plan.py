@@ -4,13 +4,13 @@ from kareus.core import LAUNCH_FIRST, PartitionSetting
 from kareus.job.sources import build_job
 from kareus.plans.execution import ExecutionPlan
 from kareus.runtime.layer_plan import LayerPlan, layer_plan_for
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 JOB = build_job(overrides=dict(
     model=dict(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4,
                num_kv_heads=2, head_dim=16, ffn_hidden_size=128, vocab_size=100),
     tp=2, pp=1, micro_batch_size=2, seq_length=32, gpus_per_node=2, nodes=1))
-PARTS = PartitionSet.from_job(JOB).partitions
+PARTS = Workload.build(JOB).partitions.partitions
 
 
 def _op(key: str, slot: str) -> str:

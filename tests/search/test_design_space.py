@@ -8,10 +8,10 @@ from kareus.job.sources import build_job
 from kareus.search.design import initial_design
 from kareus.search.space import KnobSpace
 from kareus.search.surrogate import EnsembleSurrogate, SurrogateConfig
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 JOB = build_job("kareus-2")
-PS = PartitionSet.from_job(JOB)
+PS = Workload.build(JOB)
 
 
 def _space(key="fwd_qkv_ar"):

@@ -9,18 +9,21 @@ import time
 import numpy as np
 import pytest
 
+from kareus.backends.base import backend_info
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.params import default_params
+from kareus.backends.journaled import JournaledBackend, JournalOnly
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
-from kareus.search import SearchConfig, run_search
+from kareus.search import PassShares, SearchConfig, run_search
+from kareus.search.acquisition import PUBLISHED_SHARES
 from kareus.search.quality import FrontierQuality
 from kareus.search.space import KnobSpace
 from kareus.store import Journal, job_id
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 JOB = build_job("kareus-1")
-PS = PartitionSet.from_job(JOB)
+PS = Workload.build(JOB)
 
 
 class CountingBackend(EmulatorBackend):
@@ -33,12 +36,18 @@ class CountingBackend(EmulatorBackend):
         return super().measure(partition, knobs)
 
 
+def journaled(backend, journal=None, **kw):
+    """``backend`` journal first: through ``journal``, or one in memory."""
+    j = journal if journal is not None else Journal(":memory:")
+    return JournaledBackend(backend, j, j.register_job(JOB), **kw)
+
+
 def _search(key="fwd_mlp", seed=0, noise=0.03, journal=None, **cfg):
     b = CountingBackend(JOB, noise=noise, seed=seed)
     cfg.setdefault("budget", 40)
     cfg.setdefault("tolerance", 0)
-    jid = journal.register_job(JOB) if journal is not None else ""
-    r = run_search(PS[key], b, JOB.freqs_mhz, SearchConfig(seed=seed, **cfg), journal, jid)
+    r = run_search(PS[key], journaled(b, journal), JOB.freqs_mhz,
+                   SearchConfig(seed=seed, **cfg))
     return r, b
 
 
@@ -82,6 +91,50 @@ def second_backend_id(backend):
     return backend.identity()
 
 
+def test_rerun_over_the_journal_measures_nothing_and_takes_the_same_path(tmp_path):
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        first, _ = _search(budget=40, journal=j)
+    with Journal(path) as j:
+        again, b = _search(budget=40, journal=j)
+    assert again.measured_this_run == 0 and b.calls == [] and again.profiling_cost_s == 0
+    assert again.reused_from_journal == len(again.samples) == 40
+    assert [(s.knobs, s.measurement) for s in again.samples] == [
+        (s.knobs, s.measurement) for s in first.samples]
+    assert again.hv_history == first.hv_history and again.stopped == first.stopped
+
+
+def test_a_replay_reports_nothing_measured(tmp_path):
+    path = tmp_path / "j.sqlite"
+    em = EmulatorBackend(JOB, noise=0.03)
+    with Journal(path) as j:
+        first = run_search(PS["fwd_mlp"], journaled(em, j), JOB.freqs_mhz,
+                           SearchConfig(budget=30, tolerance=0))
+    with Journal(path) as j:
+        replay = JournaledBackend(JournalOnly(em.identity(), backend_info(em), JOB.gpu_spec,
+                                              str(path)), j, job_id(JOB), record=False)
+        r = run_search(PS["fwd_mlp"], replay, JOB.freqs_mhz,
+                       SearchConfig(budget=30, tolerance=0))
+    assert r.measured_this_run == 0 == replay.measured and r.profiling_cost_s == 0
+    assert all(s.reused for s in r.samples)
+    assert [s.knobs for s in r.samples] == [s.knobs for s in first.samples]
+
+
+def test_the_search_asks_only_for_what_it_has_not_taken():
+    b = CountingBackend(JOB, noise=0.03)
+    backend = journaled(b)
+    batches = []
+
+    def agree(batch):  # rank 0's batch: here, the batch and a setting already taken
+        batches.append(list(batch))
+        return list(batch) + batches[0][:1]
+
+    r = run_search(PS["fwd_mlp"], backend, JOB.freqs_mhz,
+                   SearchConfig(budget=30, tolerance=0), agree=agree)
+    assert len(b.calls) == len(set(b.calls)) == r.measured_this_run == 30
+    assert backend.counts["measured"] == 30 and not backend.counts["journal"]
+
+
 def test_profiling_cost_counts_window_cooldown_and_settles():
     r, b = _search(budget=30)
     freqs = [k.freq_mhz for k in b.calls]
@@ -114,7 +167,8 @@ def test_frontier_is_pareto_in_time_and_dynamic_energy():
     (dict(strategy="bayes"), "unknown strategy"),
     (dict(budget=10), "smaller than the initial design"),
     (dict(batch_size=0), "batch size"),
-    (dict(shares=(0, 0, 0, 0)), "shares"),
+    (dict(shares=PassShares(0, 0, 0, 0, 0)), "shares"),
+    (dict(shares=PassShares(hv_total=-0.1)), "shares"),
 ])
 def test_bad_configs(cfg, message):
     with pytest.raises(SpecError, match=message):
@@ -149,7 +203,8 @@ def test_mbo_beats_random_at_small_budgets():
 
 def test_published_configuration_is_selectable():
     cfg = SearchConfig(budget=30, seed=3).as_published()
-    assert cfg.shares == (0.4, 0.2, 0.2, 0.2, 0.0) and cfg.reference == "worst"
+    assert cfg.shares == PassShares(0.4, 0.2, 0.2, 0.2, 0.0) == PUBLISHED_SHARES
+    assert cfg.shares.per_frequency == 0 and cfg.reference == "worst"
     assert cfg.surrogate.kind == "xgboost" and cfg.optimism == 0
     assert cfg.incumbent == "measured" and cfg.budget == 30 and cfg.seed == 3
     r, b = _search(strategy="published", budget=30)
@@ -186,10 +241,10 @@ def test_emulator_prior_helps_on_a_gpu_it_does_not_describe():
     for seed in range(3):
         cfg = SearchConfig(seed=seed, budget=40, tolerance=0)
         real = EmulatorBackend(JOB, params=real_params, noise=0.03, seed=seed)
-        r = run_search(p, real, JOB.freqs_mhz, cfg, prior=EmulatorBackend(JOB))
+        r = run_search(p, journaled(real), JOB.freqs_mhz, cfg, prior=EmulatorBackend(JOB))
         with_prior.append(_true_ratio(truth, p, r.samples, q))
         real = EmulatorBackend(JOB, params=real_params, noise=0.03, seed=seed)
-        r = run_search(p, real, JOB.freqs_mhz, cfg)
+        r = run_search(p, journaled(real), JOB.freqs_mhz, cfg)
         without.append(_true_ratio(truth, p, r.samples, q))
     # benchmarks/search_efficiency.py, 5 seeds at 40: 0.9958 with the prior, 0.9922 without
     assert np.median(with_prior) > np.median(without)

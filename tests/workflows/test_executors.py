@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from kareus.backends.factory import BackendSpec
+from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.job.sources import build_job
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
@@ -15,7 +15,7 @@ CFG = SearchConfig(budget=30, tolerance=0, seed=2)
 
 
 def _tasks(journal=None):
-    return [make_task(JOB, key, CFG, BackendSpec(noise=0.03, seed=2), journal=journal)
+    return [make_task(JOB, key, CFG, EmulatorSpec(noise=0.03, seed=2), journal=journal)
             for key in ("fwd_attn", "bwd_mlp")]
 
 

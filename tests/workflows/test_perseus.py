@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kareus.job.perseus_profile import read_profile
 from kareus.plans.plan import Plan
-from kareus.workflows.perseus import read_profile
 from tests.conftest import run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "perseus-profile.csv"
@@ -171,6 +171,29 @@ def test_out_is_refused_unless_empty_or_forced(tmp_path):
     assert r.code == 0, r.err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "plans", "summary.json", "zeus"]
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("failing", ["kareus.core.atomic.exchange_dirs",
+                                     "kareus.workflows.perseus.export_plan"])
+def test_a_failed_rewrite_leaves_the_earlier_import(tmp_path, monkeypatch, failing):
+    src = _write(tmp_path / "p.csv", _rows())
+    out = tmp_path / "out"
+    assert _import(tmp_path, src, "--static-power-w", "50").code == 0
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*")
+                if p.is_file()}
+
+    before = files()
+
+    def crash(*_args, **_kwargs):
+        raise OSError("killed here")
+
+    monkeypatch.setattr(failing, crash)
+    r = _import(tmp_path, src, "--static-power-w", "60", "--force")
+    assert r.code == 2 and f"cannot write {out}: killed here" in r.err, r.err
+    assert files() == before
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 

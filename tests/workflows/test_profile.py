@@ -7,13 +7,14 @@ import json
 import pytest
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.factory import BackendSpec
+from kareus.backends.emulator.spec import EmulatorSpec
+from kareus.backends.journaled import JournaledBackend
 from kareus.job.sources import build_job
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
 from kareus.workflows.optimize import optimize
 from kareus.workflows.profile import COMPOSITION, composition_needs, profile
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 
 JOB = build_job("kareus-1", overrides={"search_freqs_mhz": (1410, 1200)})
@@ -26,14 +27,14 @@ def profiled(tmp_path_factory):
     """A whole profile of JOB on the emulator, and its progress reports."""
     path = str(tmp_path_factory.mktemp("profile") / "j.sqlite")
     seen: list[tuple[str, int, int]] = []
-    result = profile(JOB, path, BackendSpec(), CONFIG,
+    result = profile(JOB, path, EmulatorSpec(), CONFIG,
                      progress=lambda k, d, n: seen.append((k, d, n)))
     return path, result, seen
 
 
 def test_profile_covers_every_partition_and_every_composition_step(profiled):
     path, result, seen = profiled
-    ps = PartitionSet.from_job(JOB)
+    ps = Workload.build(JOB).partitions
     assert [r.partition for r in result.searches] == ps.keys
     assert all(r.measured_this_run == len(r.samples) > 0 for r in result.searches)
     assert result.composition_needed > 0
@@ -44,7 +45,8 @@ def test_profile_covers_every_partition_and_every_composition_step(profiled):
     assert last == (COMPOSITION, result.composition_needed, result.composition_needed)
     with Journal(path) as j:
         emu = EmulatorBackend(JOB)
-        assert composition_needs(ps, emu, j, job_id(JOB), JOB.freqs_mhz) == []
+        wl = Workload.build(JOB)
+        assert composition_needs(wl, JournaledBackend(emu, j, job_id(JOB), record=False)) == []
         # the fixed steps of every instruction at every clock are in the journal
         ops = j.op_samples(job_id(JOB), emu.identity())
         assert {f for _sig, f, _sms in ops} == {1410, 1200}
@@ -52,16 +54,16 @@ def test_profile_covers_every_partition_and_every_composition_step(profiled):
 
 def test_a_second_profile_measures_nothing(profiled):
     path, first, _ = profiled
-    again = profile(JOB, path, BackendSpec(), CONFIG)
+    again = profile(JOB, path, EmulatorSpec(), CONFIG)
     assert [r.measured_this_run for r in again.searches] == [0] * len(first.searches)
     assert again.composition_needed == 0 and again.composition_measured == 0
 
 
 def test_profile_partitions_only_exhaustive(tmp_path):
     path = str(tmp_path / "j.sqlite")
-    r = profile(JOB, path, BackendSpec(), SearchConfig(strategy="exhaustive"),
+    r = profile(JOB, path, EmulatorSpec(), SearchConfig(strategy="exhaustive"),
                 keys=["fwd_attn"], composition=False)
-    p = PartitionSet.from_job(JOB)["fwd_attn"]
+    p = Workload.build(JOB).partitions["fwd_attn"]
     assert r.searches[0].measured_this_run == p.knob_space_size(2)
     assert r.composition_needed == 0
     with Journal(path) as j:
@@ -94,7 +96,7 @@ def test_measurements_give_the_frontiers_of_optimize(profiled, tmp_path):
 
 def test_a_journal_without_the_fixed_steps_is_one_line_listing_them(tmp_path):
     path = str(tmp_path / "j.sqlite")
-    profile(JOB, path, BackendSpec(), CONFIG, composition=False)
+    profile(JOB, path, EmulatorSpec(), CONFIG, composition=False)
     r = run_cli("optimize", *ARGS, "--measurements", path, "--out", str(tmp_path / "o"))
     assert r.code == 2
     lines = r.err.strip().splitlines()
@@ -106,7 +108,7 @@ def test_a_journal_without_the_fixed_steps_is_one_line_listing_them(tmp_path):
 
 def test_fill_missing_emulator_says_which_numbers(tmp_path):
     path = str(tmp_path / "j.sqlite")
-    profile(JOB, path, BackendSpec(), CONFIG, composition=False)
+    profile(JOB, path, EmulatorSpec(), CONFIG, composition=False)
     r = run_cli("optimize", *ARGS, "--measurements", path, "--fill-missing", "emulator",
                 "--out", str(tmp_path / "o"), "--json")
     assert r.code == 0, r.err

@@ -10,7 +10,7 @@ import pytest
 if importlib.util.find_spec("ray") is None or importlib.util.find_spec("torch") is None:
     pytest.skip("needs ray and torch", allow_module_level=True)
 
-from kareus.backends.factory import BackendSpec
+from kareus.backends.nvml import FakeGpuSpec
 from kareus.core import MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
@@ -20,7 +20,7 @@ from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
 from kareus.workflows.profile import COMPOSITION
 from kareus.workflows.profile_ray import DIE_ENV, profile_ray
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 
 JOB = build_job(overrides=dict(
@@ -28,7 +28,7 @@ JOB = build_job(overrides=dict(
                num_kv_heads=2, head_dim=16, ffn_hidden_size=128, vocab_size=97),
     tp=2, pp=1, micro_batch_size=4, seq_length=32, num_microbatches=2, gpus_per_node=2,
     nodes=1, search_freqs_mhz=(1410, 1200)))
-BACKEND = BackendSpec("fakegpu", allow_clock_changes=True,
+BACKEND = FakeGpuSpec(allow_clock_changes=True,
                       protocol=MeasurementProtocol(0.01, 0.0, 0.0))
 IDENTITY = f"fakegpu:{JOB.gpu_spec.name}"
 CONFIG = SearchConfig(budget=8, initial=4, batch_size=4, seed=0)
@@ -59,7 +59,7 @@ def _journaled(path: str, key: str) -> dict:
 
 def test_every_partition_and_composition_step_is_journaled(profiled):
     path, result, seen = profiled
-    ps = PartitionSet.from_job(JOB)
+    ps = Workload.build(JOB).partitions
     assert ps[ps.keys[0]].collective.group_size == 2
     assert [r.partition for r in result.searches] == ps.keys
     for r in result.searches:

@@ -11,6 +11,7 @@ import kareus.workflows.sensitivity as sensitivity
 from kareus import SCHEMA_VERSION
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
+from kareus.results.sensitivity_report import sensitivity_markdown
 from kareus.search import SearchConfig
 from kareus.workflows.compare import METRIC_COLUMNS, run_suite
 from kareus.workflows.executors import ExecutorSpec
@@ -78,7 +79,7 @@ def test_a_constant_this_emulator_lacks_is_skipped_with_a_note(section):
                                    "reason": "EmulatorParams has no such field in this "
                                              "version"}]
     assert [c["name"] for c in section["constants"]] == list(VARIED)
-    md = sensitivity.sensitivity_markdown(section, METRIC_COLUMNS, compare.HEADS)
+    md = sensitivity_markdown(section, METRIC_COLUMNS, compare.HEADS)
     assert any("not_a_field_yet" in line and "skipped" in line for line in md)
 
 

@@ -8,7 +8,7 @@ from kareus.job.presets import JOB_PRESETS
 from kareus.job.sources import build_job
 from kareus.workload.graph import ExecutionGraph
 from kareus.workload.memory import stage_memory
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 
 
@@ -17,12 +17,12 @@ def test_the_published_jobs_fit(preset):
     job = build_job(preset)
     worst = max(m.total_bytes for m in stage_memory(ExecutionGraph.from_job(job)))
     assert worst < job.gpu_spec.memory_bytes
-    PartitionSet.from_job(job)  # not refused
+    Workload.build(job)  # not refused
 
 
 def test_a_job_that_cannot_fit_is_refused_with_its_numbers():
     with pytest.raises(SpecError, match=r"does not fit: stage 0 needs [\d,.]+ GiB"):
-        PartitionSet.from_job(build_job("kareus-1", overrides={"seq_length": 1048576}))
+        Workload.build(build_job("kareus-1", overrides={"seq_length": 1048576}))
     r = run_cli("simulate", "-p", "kareus-1", "--seq", "1048576")
     assert r.code == 2 and "activations" in r.err and "A100-40GB has 40.0 GiB" in r.err
     assert len(r.err.strip().splitlines()) == 1

@@ -2,11 +2,12 @@ import pytest
 
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
-from kareus.workload.partition import PartitionSet, make_slots
+from kareus.workload.partition import make_slots
+from kareus.workload.workload import Workload
 
 
 def _ps(preset="kareus-1", **overrides):
-    return PartitionSet.from_job(build_job(preset, overrides=overrides))
+    return Workload.build(build_job(preset, overrides=overrides)).partitions
 
 
 def test_kareus1_keys_and_all_reduce_bytes():

@@ -13,9 +13,10 @@ Search and composition see only these protocols (docs/architecture.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
+from kareus.backends.needs import Answer, Need
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.job.hardware import GPUSpec
 from kareus.plans.execution import ExecutionPlan
@@ -78,6 +79,24 @@ class CostModel(Protocol):
                     ) -> Measurement: ...
 
 
+@runtime_checkable
+class JournalFirst(Backend, Protocol):
+    """A Backend that looks in a journal before it measures (kareus.backends.journaled):
+    each answer says whether it was measured now, taken from the journal, or filled in."""
+
+    def holds(self, need: Need) -> bool:
+        """The journal answers ``need`` without measuring."""
+        ...
+
+    def lacks(self, needs: Iterable[Need]) -> list[Need]:
+        """What of ``needs`` the journal does not answer (nothing is measured)."""
+        ...
+
+    def answer(self, need: Need) -> Answer:
+        """``need``'s measurement, journaled before it is returned, and its origin."""
+        ...
+
+
 class WrappedBackend:
     """Base of a Backend that wraps another (journal first, rank 0's numbers, ...): what
     describes the GPU and how it is measured is the inner backend's."""
@@ -119,12 +138,44 @@ def backend_info(backend: Backend) -> dict[str, object]:
                          "settle_s": pr.settle_s}}
 
 
+class SimulatedStage(Protocol):
+    """One stage of a simulated iteration, per GPU."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def busy_s(self) -> float: ...
+
+    @property
+    def dynamic_energy_j(self) -> float: ...
+
+
 class SimulatedIteration(Protocol):
+    """A whole iteration run continuously: totals over all GPUs, and per stage."""
+
     @property
     def time_s(self) -> float: ...
 
     @property
     def energy_j(self) -> float: ...
+
+    @property
+    def static_energy_j(self) -> float: ...
+
+    @property
+    def dynamic_energy_j(self) -> float: ...
+
+    @property
+    def num_gpus(self) -> int: ...
+
+    @property
+    def mean_power_per_gpu_w(self) -> float: ...
+
+    @property
+    def stages(self) -> Sequence[SimulatedStage]: ...
+
+    def to_dict(self, with_instructions: bool = False) -> dict[str, Any]: ...
 
 
 class PlanSimulator(Protocol):

@@ -1,96 +1,198 @@
-"""A Backend that measures each thing once: journal first, then use.
+"""Journal first, then measure: the one place where a measurement is looked up, taken,
+recorded and counted.
 
-Composition asks for the same instruction steps many times (every method, every clock).
-This wrapper answers from the journal when it holds the measurement, and otherwise
-measures through the wrapped backend, records the result (committed) and only then
-returns it: nothing measured is lost, and every later question gets the same number.
+Every consumer asks through a `JournaledBackend`: the search (a setting it decided on),
+composition (each instruction step at each clock), profiling (what composition lacks) and
+replay (a journal with nothing behind it that can measure). A question the journal answers
+is served from it; otherwise the wrapped backend measures, the number is committed to the
+journal, and only then returned, so nothing measured is lost and a later question gets the
+same number. Each answer says where it came from (`Answer.origin`) and the wrapper counts
+them, so a run's accounting (measured, reused, filled) has one source: a replay measures
+nothing.
 
-``dry_run``: nothing is measured; what the journal lacks is listed in ``missing`` (and
-answered with a placeholder), so that a caller learns every need before measuring one.
 ``record=False``: the journal is read, never written (the other ranks of a TP/CP group
-under torchrun measure in lockstep with rank 0, which records).
+measure in lockstep with rank 0, which records; a replay). ``fill``: what the journal
+lacks comes from that backend instead (an explicit opt-in such as ``--fill-missing
+emulator``), is never journaled, and is listed in ``filled``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
-from kareus.backends.base import Backend, WrappedBackend, backend_info
-from kareus.backends.needs import PLACEHOLDER, Need
-from kareus.core import Knobs, Measurement
-from kareus.store import JournalLike
-from kareus.workload.ops import Op, ops_signature
+from kareus.backends.base import Backend, JournalFirst, WrappedBackend, backend_info
+from kareus.backends.needs import Answer, Need, measure_need
+from kareus.core import Knobs, Measurement, MeasurementProtocol
+from kareus.errors import KareusError
+from kareus.job.hardware import GPUSpec
+from kareus.job.spec import JobSpec
+from kareus.store import Journal, JournalLike
+from kareus.workload.ops import Op
 from kareus.workload.partition import Partition
 
 MeasuredHook = Callable[[Need], None]
-"""Called after each measurement taken (not found in the journal)."""
+"""Called after each measurement this wrapper took (not found in the journal)."""
+
+
+class MissingMeasurement(KareusError):
+    """The journal holds no measurement of what was asked, and nothing can measure it."""
 
 
 class JournaledBackend(WrappedBackend):
     """``inner``'s measurements, through ``journal`` under job ``job_id``."""
 
     def __init__(self, inner: Backend, journal: JournalLike, job_id: str, *,
-                 record: bool = True, dry_run: bool = False,
+                 record: bool = True, fill: Backend | None = None,
                  on_measured: MeasuredHook | None = None) -> None:
         super().__init__(inner)
         self.journal = journal
         self.job_id = job_id
-        self.record = record and not dry_run
-        self.dry_run = dry_run
+        self.record = record
+        self.fill = fill
         self.on_measured = on_measured
         self._identity = inner.identity()
         if self.record:
             journal.register_backend(self._identity, backend_info(inner))
         self._partitions = journal.partition_samples(job_id, self._identity)
         self._ops = journal.op_samples(job_id, self._identity)
-        self.measured = 0
-        """Measurements taken (not found in the journal) by this wrapper."""
-        self._missing: dict[Need, None] = {}
+        self.counts: Counter[str] = Counter()
+        """Answers given, by origin ("journal", "measured", "filled")."""
+        self.measured_by_key: Counter[str] = Counter()
+        """Measurements taken, per partition key (runs of ops: their signature)."""
+        self._filled: dict[Need, None] = {}
+
+    @classmethod
+    def in_memory(cls, inner: Backend, job: JobSpec) -> JournaledBackend:
+        """``inner``, journal first through a journal in memory (kept for this object's
+        life only: a search that needs no file journal)."""
+        journal = Journal(":memory:")
+        return cls(inner, journal, journal.register_job(job))
+
+    def identity(self) -> str:
+        return self._identity
+
+    # The Backend protocol -------------------------------------------------------------
+
+    def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
+        return self.answer(Need.of_partition(partition, knobs)).measurement
+
+    def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement:
+        return self.answer(Need.of_ops(ops, freq_mhz, sms or self.default_sms)).measurement
+
+    # Journal first ----------------------------------------------------------------------
+
+    def need_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None) -> Need:
+        """The need of a run of ops, with this backend's default SMs where none is given."""
+        return Need.of_ops(ops, freq_mhz, sms or self.default_sms)
+
+    def holds(self, need: Need) -> bool:
+        """The journal (this one, or a journal-first backend inside) answers ``need``."""
+        if self._lookup(need) is not None:
+            return True
+        return isinstance(self.inner, JournalFirst) and self.inner.holds(need)
+
+    def lacks(self, needs: Iterable[Need]) -> list[Need]:
+        """What of ``needs`` nothing journaled answers, in order, once each (a dry run:
+        nothing is measured)."""
+        return [n for n in dict.fromkeys(needs) if not self.holds(n)]
+
+    def answer(self, need: Need) -> Answer:
+        hit = self._lookup(need)
+        if hit is not None:
+            return self._count(Answer(hit, "journal"))
+        if self.fill is not None and not self.holds(need):
+            self._filled[need] = None
+            return self._count(Answer(measure_need(self.fill, need), "filled"))
+        if isinstance(self.inner, JournalFirst):
+            got = self.inner.answer(need)
+        else:
+            got = Answer(measure_need(self.inner, need), "measured")
+        if got.origin != "filled":
+            self._store(need, got.measurement)
+        if got.origin == "measured":
+            self.measured_by_key[need.partition or need.ops_key or ""] += 1
+            if self.on_measured is not None:
+                self.on_measured(need)
+        return self._count(got)
+
+    @property
+    def measured(self) -> int:
+        """Measurements this wrapper took (a replay: 0)."""
+        return self.counts["measured"]
+
+    @property
+    def filled(self) -> list[Need]:
+        """What ``fill`` answered, in order."""
+        return list(self._filled)
+
+    def samples(self, key: str) -> list[tuple[Knobs, Measurement]]:
+        """Every journaled setting of partition ``key``, in a stable order (a search's
+        samples, read back)."""
+        found = [(k, m) for (p, k), m in self._partitions.items() if p == key]
+        return sorted(found, key=lambda km: (-km[0].freq_mhz, km[0].sms, km[0].slot or ""))
+
+    # Internals --------------------------------------------------------------------------
+
+    def _lookup(self, need: Need) -> Measurement | None:
+        if need.partition is not None:
+            return self._partitions.get((need.partition, need.knobs))
+        assert need.ops_key is not None
+        return self._ops.get((need.ops_key, need.knobs.freq_mhz, need.knobs.sms))
+
+    def _store(self, need: Need, m: Measurement) -> None:
+        k = need.knobs
+        if need.partition is not None:
+            if self.record:
+                self.journal.record(self.job_id, need.partition, self._identity, k, m)
+            self._partitions[(need.partition, k)] = m
+            return
+        assert need.ops_key is not None
+        if self.record:
+            self.journal.record_ops(self.job_id, need.ops_key, self._identity, k.freq_mhz,
+                                    k.sms, m)
+        self._ops[(need.ops_key, k.freq_mhz, k.sms)] = m
+
+    def _count(self, a: Answer) -> Answer:
+        self.counts[a.origin] += 1
+        return a
+
+
+class JournalOnly:
+    """What stands behind a replay: the description of a backend that measured into a
+    journal (its identity, GPU, static power, default SMs, protocol), which can measure
+    nothing; a question the journal does not answer is one clear error."""
+
+    name = "replay"
+
+    def __init__(self, identity: str, info: dict[str, object], gpu: GPUSpec, where: str
+                 ) -> None:
+        self._identity = identity
+        self.gpu = gpu
+        self.where = where
+        self.static_power_w = float(info["static_power_w"])  # type: ignore[arg-type]
+        self.default_sms = int(info["default_sms"])  # type: ignore[call-overload]
+        pr = info.get("protocol") or {}
+        self.protocol = MeasurementProtocol(**pr)  # type: ignore[arg-type]
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[int, ...]:
+        return self.gpu.clock_table_mhz
 
     def identity(self) -> str:
         return self._identity
 
     def measure(self, partition: Partition, knobs: Knobs) -> Measurement:
-        key = (partition.key, knobs)
-        hit = self._partitions.get(key)
-        if hit is None:
-            need = Need.of_partition(partition.key, knobs)
-            if self.dry_run:
-                return self._lacks(need)
-            hit = self.inner.measure(partition, knobs)
-            if self.record:
-                self.journal.record(self.job_id, partition.key, self._identity, knobs, hit)
-            self._partitions[key] = hit
-            self._measured(need)
-        return hit
+        raise MissingMeasurement(
+            f"journal {self.where} has no measurement of partition {partition.key} at "
+            f"{knobs.label()} (backend {self._identity}); measure it with `kareus search` "
+            f"or `kareus profile` into this journal")
 
     def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
                     ) -> Measurement:
-        n = sms or self.default_sms
-        key = (ops_signature(ops), freq_mhz, n)
-        hit = self._ops.get(key)
-        if hit is None:
-            need = Need.of_ops(ops, freq_mhz, n)
-            if self.dry_run:
-                return self._lacks(need)
-            hit = self.inner.measure_ops(ops, freq_mhz, n)
-            if self.record:
-                self.journal.record_ops(self.job_id, key[0], self._identity, freq_mhz, n,
-                                        hit)
-            self._ops[key] = hit
-            self._measured(need)
-        return hit
-
-    @property
-    def missing(self) -> list[Need]:
-        """Dry run: what the journal lacks, in the order composition asked for it."""
-        return list(self._missing)
-
-    def _lacks(self, need: Need) -> Measurement:
-        self._missing[need] = None
-        return PLACEHOLDER
-
-    def _measured(self, need: Need) -> None:
-        self.measured += 1
-        if self.on_measured is not None:
-            self.on_measured(need)
+        need = Need.of_ops(ops, freq_mhz, sms or self.default_sms)
+        raise MissingMeasurement(
+            f"journal {self.where} has no measurement of the {need.what} at {freq_mhz} MHz "
+            f"with {need.knobs.sms} SMs for collectives (backend {self._identity}); "
+            f"measure it with `kareus profile` into this journal")

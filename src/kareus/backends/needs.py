@@ -1,37 +1,42 @@
-"""What composition asks a backend for, as data: a partition at a setting, or a run of ops
-at a clock. A journal that lacks some of them is reported as one list of `Need`s (and the
-command that fills it) instead of failing on the first.
+"""What is asked of a backend, as data: a partition at a setting, or a run of ops at a
+clock with some SMs for their collectives. A `Need` is its own journal key (what makes two
+questions the same) and carries what measuring it takes (the partition, the ops), so a
+list of needs can be reported (one line of what a journal lacks), or measured later, in
+any order (a GPU grouped by clock).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from kareus.core import Knobs, Measurement
+from kareus.errors import KareusError
 from kareus.workload.ops import Op, ops_signature
-
-PLACEHOLDER = Measurement(1e-3, 1e-1, 5e-2, 5e-2, 100.0, 0.0)
-"""What a dry run answers for a missing measurement: composition asks for the same things
-whatever the numbers, so a dry run lists every need without measuring."""
+from kareus.workload.partition import Partition
 
 
 @dataclass(frozen=True)
 class Need:
-    """One measurement: ``partition`` at ``knobs``, or the run ``ops`` (signature
-    ``ops_key``) at ``knobs.freq_mhz`` with ``knobs.sms`` SMs for its collectives."""
+    """One measurement: ``partition`` (key) at ``knobs``, or the run of ops (signature
+    ``ops_key``) at ``knobs.freq_mhz`` with ``knobs.sms`` SMs for its collectives. Equality
+    and hashing use the keys only; ``unit`` and ``ops`` are what measuring it takes."""
 
     knobs: Knobs
     partition: str | None = None
     ops_key: str | None = None
+    unit: Partition | None = field(default=None, compare=False, repr=False)
+    ops: tuple[Op, ...] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of_partition(cls, key: str, knobs: Knobs) -> Need:
-        return cls(knobs, partition=key)
+    def of_partition(cls, partition: Partition, knobs: Knobs) -> Need:
+        return cls(knobs, partition=partition.key, unit=partition)
 
     @classmethod
     def of_ops(cls, ops: Sequence[Op], freq_mhz: int, sms: int) -> Need:
-        return cls(Knobs(freq_mhz, sms, None), ops_key=ops_signature(ops))
+        run = tuple(ops)
+        return cls(Knobs(freq_mhz, sms, None), ops_key=ops_signature(run), ops=run)
 
     @property
     def what(self) -> str:
@@ -49,6 +54,36 @@ class Need:
         if self.partition is not None:
             return f"{self.what} at {k.label()}"
         return f"{self.what} at {k.freq_mhz} MHz ({k.sms} SMs for its collectives)"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A need's measurement and where it came from: ``"journal"`` (measured before, by
+    this run or an earlier one, or elsewhere), ``"measured"`` (by this run, journaled
+    before it was returned) or ``"filled"`` (a fallback's number, never journaled)."""
+
+    measurement: Measurement
+    origin: str
+
+    @property
+    def reused(self) -> bool:
+        return self.origin == "journal"
+
+
+class _Measures(Protocol):
+    def measure(self, partition: Partition, knobs: Knobs) -> Measurement: ...
+
+    def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
+                    ) -> Measurement: ...
+
+
+def measure_need(backend: _Measures, need: Need) -> Measurement:
+    """Ask ``backend`` for ``need`` (it measures, or answers however it answers)."""
+    if need.unit is not None:
+        return backend.measure(need.unit, need.knobs)
+    if need.ops is None:
+        raise KareusError(f"{need.describe()}: a need without what measuring it takes")
+    return backend.measure_ops(need.ops, need.knobs.freq_mhz, need.knobs.sms)
 
 
 def summarize(needs: Sequence[Need], limit: int = 8) -> str:

@@ -16,9 +16,15 @@ torch, Zeus and NVML are imported lazily (see kareus.gpu.device, kareus.gpu.kern
 from __future__ import annotations
 
 import math
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from kareus.backends.base import Backend
+from kareus.backends.registry import Agree, BackendSpec, Capabilities
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.gpu.clock_guard import ClockGuard
@@ -35,6 +41,7 @@ from kareus.job.spec import JobSpec
 from kareus.workload.layer import LayerShapes
 from kareus.workload.ops import Collective, Op
 from kareus.workload.partition import Partition
+from kareus.workload.workload import Workload
 
 CollectiveFactory = Callable[[Collective, int], Callable[[], object]]
 """Builds a real collective at an SM count (`kareus.gpu.nccl.NcclCollectives`)."""
@@ -211,3 +218,85 @@ class NvmlBackend:
         time_s, energy_j = (t1 - t0) / runs, (e1 - e0) / runs
         return Measurement.from_time_energy(time_s, energy_j, self.static_power_w,
                                             float(self.device.current_sm_clock_mhz()))
+
+
+@dataclass(frozen=True)
+class NvmlSpec(BackendSpec):
+    """A real NVIDIA GPU: PyTorch kernels, energy from Zeus/NVML (the gpu extra)."""
+
+    kind: ClassVar[str] = "nvml"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        real_gpu=True, process_per_gpu=True, profiles_first=True)
+    allow_clock_changes: bool = False
+    """Kareus may lock SM clocks (always reset on exit)."""
+    gpu_index: int = 0
+    torch_device: str | None = None
+    """Where the kernels run (default ``cuda:<gpu_index>``)."""
+
+    def check(self, job: JobSpec, here: bool = True) -> None:
+        super().check(job, here)
+        if self.gpu_index < 0:
+            raise SpecError(f"--gpu-index must be >= 0, got {self.gpu_index}")
+        if len(job.freqs_mhz) > 1 and not self.allow_clock_changes:
+            raise SpecError("a search over frequencies on a real GPU needs "
+                            "--allow-clock-changes; without it, pass --freqs with the one "
+                            "clock the GPU runs at")
+        if here:
+            self._device(job)  # no GPU, no Zeus: fail before any work starts
+
+    def open(self, workload: Workload, collectives: CollectiveFactory | None = None,
+             agree: Agree | None = None) -> AbstractContextManager[Backend]:
+        return self._open(workload, collectives, agree)
+
+    @contextmanager
+    def _open(self, workload: Workload, collectives: CollectiveFactory | None,
+              agree: Agree | None) -> Iterator[Backend]:
+        job = workload.job
+        device = self._device(job)
+        with ExitStack() as stack:
+            guard = stack.enter_context(ClockGuard(
+                device, allow_changes=self.allow_clock_changes, lock_dir=self._lock_dir(stack)))
+            yield NvmlBackend(job, device, guard, protocol=self.protocol,
+                              torch_device=self.torch_device or self._default_device(),
+                              collective=collectives, name=self.kind, agree=agree)
+
+    def for_rank(self, local_rank: int, device: str | None) -> NvmlSpec:
+        return replace(self, gpu_index=local_rank, torch_device=self.torch_device or device)
+
+    def _default_device(self) -> str:
+        return f"cuda:{self.gpu_index}"
+
+    def _lock_dir(self, stack: ExitStack) -> str | None:
+        return None  # a real GPU's clock lock is the machine's
+
+    def _device(self, job: JobSpec) -> GPUDevice:
+        from kareus.gpu.device import ZeusDevice
+
+        return ZeusDevice(self.gpu_index)
+
+
+@dataclass(frozen=True)
+class FakeGpuSpec(NvmlSpec):
+    """nvml's whole path, real kernels included, on the CPU: a device in memory with the
+    job's GPU's clock table and a power model from its catalog entry (TDP at the maximum
+    clock, catalog static power) and a simulated energy counter."""
+
+    kind: ClassVar[str] = "fakegpu"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        process_per_gpu=True, profiles_first=True)
+
+    def _default_device(self) -> str:
+        return "cpu"
+
+    def _lock_dir(self, stack: ExitStack) -> str | None:
+        # a fake GPU's clock lock lives in a directory of its own: fake GPUs of concurrent
+        # processes share indices, real ones do not
+        return stack.enter_context(tempfile.TemporaryDirectory())
+
+    def _device(self, job: JobSpec) -> GPUDevice:
+        from kareus.gpu.device import FakeDevice
+
+        g = job.gpu_spec
+        return FakeDevice(index=self.gpu_index, name=f"fake {g.name}",
+                          default_clock_mhz=g.max_freq_mhz, clocks_mhz=g.clock_table_mhz,
+                          power_w=g.tdp_w, static_power_w=g.static_power_w)

@@ -12,11 +12,13 @@ from kareus.backends.emulator.calibration import (
     measure_and_compare,
     write_calibration,
 )
-from kareus.backends.factory import BackendSpec, open_backend
+from kareus.backends.emulator.spec import EmulatorSpec
+from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.cli.options import with_backend
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
+from kareus.workload.workload import Workload
 
 
 @app.command()
@@ -32,12 +34,12 @@ def calibrate(
     """Emulator: each public anchor (docs/anchors.md) next to the emulator's value. nvml: a
     fixed set of partitions and ops measured on this GPU at its current clock, next to the
     emulator, with fitted corrections written to --out."""
-    if backend.name == "nvml":
-        _calibrate_nvml(preset, out, backend, json_out)
+    if backend.capabilities.real_gpu:
+        _calibrate_gpu(preset, out, backend, json_out)
         return
-    if backend.name != "emulator":
+    if not isinstance(backend, EmulatorSpec):
         raise KareusError(f"calibrate compares the emulator with public anchors or with a "
-                          f"GPU: --backend emulator or nvml, not {backend.name}")
+                          f"real GPU: not --backend {backend.name}")
     anchors = all_anchors(backend.calibration)
     if json_out:
         print_json({"schema_version": SCHEMA_VERSION,
@@ -51,15 +53,17 @@ def calibrate(
     console.print(t)
 
 
-def _calibrate_nvml(preset: str, out: Optional[str], backend: BackendSpec,
-                    json_out: bool) -> None:
+def _calibrate_gpu(preset: str, out: Optional[str], backend: BackendSpec,
+                   json_out: bool) -> None:
     from kareus.backends.nvml import NvmlBackend  # the gpu extra: imported only here
 
     job = build_job(preset)
-    with open_backend(job, backend) as real:
-        assert isinstance(real, NvmlBackend)
+    with backend.open(Workload.build(job)) as real:
+        if not isinstance(real, NvmlBackend):
+            raise KareusError(f"calibrate measures through NVML; --backend {backend.name} "
+                              f"has no device to read the clock of")
         freq = real.device.current_sm_clock_mhz()
-        emu = EmulatorBackend(job, calibration=backend.calibration)
+        emu = EmulatorBackend(job)
         rows = measure_and_compare(job, real, freq, emu)
         params = fit_params(rows, emu.params)
         source = real.static_power_source

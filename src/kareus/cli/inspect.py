@@ -16,7 +16,7 @@ from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
 from kareus.workload.memory import check_fits
 from kareus.workload.ops import Collective
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 def _gflop(x: float) -> str:
@@ -31,7 +31,7 @@ def _mib(x: float) -> str:
 @with_job
 def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     """List the job's partitions: keys, collectives, launch slots and knob spaces."""
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     if json_out:
         print_json(ps.to_dict())
         return

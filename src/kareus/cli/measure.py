@@ -5,9 +5,7 @@ from typing import Annotated, Optional, TypedDict
 import typer
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.backends.factory import BackendSpec, open_backend
+from kareus.backends.registry import BackendSpec, cost_model_kinds
 from kareus.cli.app import (
     MEASUREMENT_COLUMNS,
     JsonFlag,
@@ -24,9 +22,10 @@ from kareus.core.pareto import pareto_mask
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import get_method
-from kareus.search.loop import SearchConfig, run_search
+from kareus.search.loop import SearchConfig
 from kareus.search.space import KnobSpace
-from kareus.workload.partition import PartitionSet
+from kareus.workflows.executors import ExecutorSpec, search_partitions
+from kareus.workload.workload import Workload
 
 
 class _SweepPoint(TypedDict):
@@ -62,11 +61,12 @@ def measure(
     json_out: JsonFlag = False,
 ) -> None:
     """Measure one partition at one knob setting."""
-    p = PartitionSet.from_job(job)[partition]
+    workload = Workload.build(job)
+    p = workload[partition]
     knobs = Knobs(freq, sms, _slot_arg(slot))
     p.launch_index(knobs.slot)  # validates the slot
     backend.check(job)
-    with open_backend(job, backend) as be:
+    with backend.open(workload) as be:
         m = be.measure(p, knobs)
     if json_out:
         print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
@@ -84,10 +84,10 @@ def measure(
 def sweep(job: JobSpec, backend: BackendSpec, partition: PartitionOpt,
           json_out: JsonFlag = False) -> None:
     """Measure every knob setting of a partition (frequency x SMs x launch slot)."""
-    p = PartitionSet.from_job(job)[partition]
-    backend.check(job)
-    with open_backend(job, backend) as be:
-        result = run_search(p, be, job.freqs_mhz, SearchConfig(strategy="exhaustive"))
+    workload = Workload.build(job)
+    p = workload[partition]
+    result, = search_partitions(workload, [partition], SearchConfig(strategy="exhaustive"),
+                                backend, ExecutorSpec(workers=1))
     space = KnobSpace(p, job.freqs_mhz, job.gpu_spec.max_freq_mhz)
     by_knobs = {s.knobs: s.measurement for s in result.samples}
     points: list[_SweepPoint] = [{"freq_mhz": k.freq_mhz, "sms": k.sms, "slot": k.slot,
@@ -123,12 +123,14 @@ def simulate(
 ) -> None:
     """Simulate one training iteration of a method on the emulator."""
     plan = get_method(method).baseline_plan(job, freq)
-    if backend.name != "emulator":
-        raise KareusError(f"simulate runs on the emulator; got --backend {backend.name}")
     backend.check(job)
-    emulator = EmulatorBackend(job, calibration=backend.calibration)
-    r = IterationSimulator(PartitionSet.from_job(job), emulator).run(plan)
-    static_w = emulator.static_power_w
+    simulator = backend.plan_simulator(Workload.build(job))
+    if simulator is None:
+        raise KareusError(f"simulate needs a backend that simulates whole iterations (one "
+                          f"with a cost model: {', '.join(cost_model_kinds())}); got "
+                          f"--backend {backend.name}")
+    r = simulator.run(plan)
+    static_w = r.static_energy_j / (r.time_s * r.num_gpus)
     if json_out:
         print_json({**r.to_dict(), "job": job.model_dump(mode="json"), "method": method})
         return

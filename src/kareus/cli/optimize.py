@@ -1,33 +1,29 @@
 """The main job and the suite comparison: optimize, compare."""
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from kareus.backends.factory import BackendSpec
+from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, pct, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
-from kareus.cli.search import ProgressBars
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import display_name
 from kareus.results.result import OptimizeResult
-from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig
 from kareus.workflows.compare import run_suite
 from kareus.workflows.executors import ExecutorSpec
-from kareus.workflows.optimize import check_optimize
-from kareus.workflows.optimize import optimize as run_optimize
-from kareus.workflows.profile import profile as run_profile
+from kareus.workflows.optimize import prepare_optimize
+from kareus.workflows.progress import ProgressBars
 from kareus.workflows.sensitivity import CONSTANTS, SensitivitySpec
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 @app.command()
 @with_job
-@with_backend()
+@with_backend(measurements=True)
 @with_executor()
 def optimize(
     job: JobSpec,
@@ -41,10 +37,6 @@ def optimize(
     force: Annotated[bool, typer.Option(
         "--force", help="Replace the result of another job in --out (the journal keeps "
                         "both jobs' measurements).", metavar="")] = False,
-    measurements: Annotated[Optional[str], typer.Option(
-        "--measurements", help="Compose from this journal alone (written by `kareus "
-                               "profile`): no search, no emulator number; what it lacks "
-                               "is one error listing it.")] = None,
     fill_missing: Annotated[Optional[str], typer.Option(
         "--fill-missing", help="With --measurements: take what the journal lacks from the "
                                "emulator (result.json and report.md list those numbers).")
@@ -57,24 +49,16 @@ def optimize(
     With --backend nvml: profile every partition and composition step on the local GPU
     first (as `kareus profile`), then compose from those measurements."""
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
-    if (os.environ.get("RANK", "0") != "0" and measurements is None
-            and backend.name in ("nvml", "fakegpu")):
-        # under torchrun the other ranks of the TP/CP group measure in lockstep with rank
-        # 0, which journals, composes and writes the result
-        rd = ResultDir(out)
-        rd.path.mkdir(parents=True, exist_ok=True)
-        run_profile(job, str(rd.journal), backend, config)
+    run = prepare_optimize(Workload.build(job), out, config, backend, executor, force=force,
+                           fill_missing=fill_missing)
+    if json_out or run.measures_only:
+        result = run.run()
+        if result is not None:
+            print_json(result.to_dict())
         return
-    check_optimize(job, out, config, backend, executor, force, measurements, fill_missing)
-    if json_out:
-        print_json(run_optimize(job, out, config, backend, executor, force=force,
-                                measurements=measurements, fill_missing=fill_missing
-                                ).to_dict())
-        return
-    with ProgressBars(PartitionSet.from_job(job).keys) as bars:
-        result = run_optimize(job, out, config, backend, executor, progress=bars.update,
-                              stage=lambda msg: bars.bar.console.log(msg), force=force,
-                              measurements=measurements, fill_missing=fill_missing)
+    with ProgressBars(run.workload.keys, stderr_console()) as bars:
+        result = run.run(progress=bars.update, stage=bars.log)
+        assert result is not None
         bars.finish(result.searches)
     _print_frontiers(job, result, out)
 

@@ -9,8 +9,14 @@ from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
-from kareus.backends.factory import BackendSpec
+from kareus.backends.registry import (
+    BackendSpec,
+    backend_kinds,
+    replay_spec,
+    spec_from_options,
+)
 from kareus.core import MeasurementProtocol
+from kareus.errors import SpecError
 from kareus.workflows.executors import ExecutorSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,15 +51,19 @@ def _opt(*decls: str, help: str, panel: str, metavar: str | None = None) -> Any:
     return typer.Option(*decls, help=help, rich_help_panel=panel, metavar=metavar)
 
 
-def with_backend(default: str = "emulator") -> Callable[[F], F]:
-    """The backend options; the command receives ``backend: BackendSpec``."""
+def with_backend(default: str = "emulator", measurements: bool = False
+                 ) -> Callable[[F], F]:
+    """The backend options; the command receives ``backend: BackendSpec`` (the kind's own
+    spec, which takes only its own options). ``measurements``: the command also takes
+    ``--measurements JOURNAL``: plans composed from that journal alone (a replay spec that
+    composes only)."""
     p = "Backend"
     options: list[Option] = [
         ("backend_name", Annotated[str, _opt(
-            "--backend", panel=p, help="Where measurements come from: emulator (no GPU), "
-            "nvml (a real NVIDIA GPU, with the gpu extra), replay (a journal) or fakegpu "
-            "(nvml's real kernels on the CPU with a simulated energy counter: the GPU path "
-            "without a GPU).")], default),
+            "--backend", panel=p, help="Where measurements come from: "
+            + ", ".join(backend_kinds()) + ". emulator: no GPU; nvml: a real NVIDIA GPU "
+            "(the gpu extra); replay: a journal; fakegpu: nvml's real kernels on the CPU "
+            "with a simulated energy counter (the GPU path without a GPU).")], default),
         ("noise", Annotated[float, _opt(
             "--noise", panel=p, help="Emulator measurement noise: relative std of time and "
             "dynamic energy.")], 0.0),
@@ -81,6 +91,14 @@ def with_backend(default: str = "emulator") -> Callable[[F], F]:
             "--settle", panel=p, help="Settle after a clock change, s (default 2).")], None),
     ]
 
+    if measurements:
+        options.append(("measurements", Annotated[Optional[str], _opt(
+            "--measurements", panel=p, help="Compose from this journal alone (written by "
+            "`kareus profile`): no search, no emulator number; what it lacks is one error "
+            "listing it (--replay-identity: which backend's, when it holds several).")],
+            None))
+    defaults = {name: value for name, _, value in options}
+
     def build(v: dict[str, Any]) -> BackendSpec:
         protocol = None
         if any(v[k] is not None for k in ("window", "cooldown", "settle")):
@@ -89,11 +107,21 @@ def with_backend(default: str = "emulator") -> Callable[[F], F]:
                 d.window_s if v["window"] is None else v["window"],
                 d.cooldown_s if v["cooldown"] is None else v["cooldown"],
                 d.settle_s if v["settle"] is None else v["settle"])
-        return BackendSpec(name=v["backend_name"], noise=v["noise"], seed=v["seed"],
-                           calibration=v["calibration"],
-                           allow_clock_changes=v["allow_clock_changes"],
-                           gpu_index=v["gpu_index"], replay_journal=v["replay_journal"],
-                           replay_identity=v["replay_identity"], protocol=protocol)
+        name = v["backend_name"]
+        if v.get("measurements") is not None:
+            if name != default:
+                raise SpecError(f"--measurements composes from a journal alone: it takes no "
+                                f"--backend {name}")
+            return replay_spec(v["measurements"], v["replay_identity"], compose_only=True)
+        # the options the user set, by the spec field they fill (one another kind takes is
+        # refused); the seed always (it seeds the search too), the protocol where given
+        given = {k: v[k] for k in ("noise", "calibration", "allow_clock_changes",
+                                   "gpu_index", "replay_journal", "replay_identity")
+                 if v[k] != defaults[k]}
+        given["seed"] = v["seed"]
+        if protocol is not None:
+            given["protocol"] = protocol
+        return spec_from_options(name, given)
 
     return injects("backend", options, build)
 

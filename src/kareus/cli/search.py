@@ -1,72 +1,24 @@
 """Commands that search or profile partitions and read journals: search, profile, journal."""
 
-import os
-from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.factory import BackendSpec, check_prior
+from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
-from kareus.search.loop import SearchConfig, SearchResult
+from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
-from kareus.workflows.executors import ExecutorSpec, SearchTask, make_task, run_tasks
-from kareus.workflows.profile import profile as profile_local
-from kareus.workflows.profile_ray import profile_ray
-from kareus.workload.partition import PartitionSet
-
-
-class ProgressBars:
-    """One bar per partition on stderr. A bar ends full when its search ends, early or
-    not, and says how many settings came from the journal."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self.bar = Progress(TextColumn("{task.description:<24}"), BarColumn(),
-                            MofNCompleteColumn(), console=stderr_console(), transient=False)
-        self.ids = {k: self.bar.add_task(k, total=None) for k in keys}
-
-    def update(self, key: str, done: int, total: int) -> None:
-        if key not in self.ids:  # a stage after the searches (profile's composition steps)
-            self.ids[key] = self.bar.add_task(key, total=total)
-        self.bar.update(self.ids[key], completed=done, total=total)
-
-    def finish(self, results: list[SearchResult]) -> None:
-        for r in results:
-            n = len(r.samples)
-            reused = f" (reused {r.reused_from_journal})" if r.reused_from_journal else ""
-            self.bar.update(self.ids[r.partition], completed=n, total=n,
-                            description=f"{r.partition}{reused}")
-
-    def __enter__(self) -> "ProgressBars":
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.__exit__(None, None, None)
-
-
-def run_with_progress(tasks: list[SearchTask], executor: ExecutorSpec, quiet: bool
-                      ) -> list[SearchResult]:
-    if quiet:
-        return run_tasks(tasks, executor)
-    with ProgressBars([t.partition for t in tasks]) as bars:
-        results = run_tasks(tasks, executor, bars.update)
-        bars.finish(results)
-    return results
-
-
-def check_journal(path: Optional[str]) -> None:
-    """An unreadable journal fails before any work starts."""
-    if path is not None:
-        Journal(path).close()
+from kareus.workflows.executors import ExecutorSpec, prepare_search, run_tasks
+from kareus.workflows.profiling import prepare_profile
+from kareus.workflows.progress import ProgressBars
+from kareus.workload.workload import Workload
 
 
 @app.command()
@@ -80,8 +32,7 @@ def search(
     partition: Annotated[Optional[list[str]], typer.Option(
         "--partition", help="Partition key (repeatable; default: every partition).")] = None,
     strategy: Annotated[str, typer.Option(
-        "--strategy", help="mbo (default), published (the published Kareus search: "
-                           "XGBoost ensembles, its four passes), random or exhaustive.")
+        "--strategy", help=describe_strategies() + ".")
     ] = "mbo",
     surrogate: Annotated[str, typer.Option(
         "--surrogate", help="mbo's surrogate: gp (default) or xgboost.")] = "gp",
@@ -103,19 +54,17 @@ def search(
     json_out: JsonFlag = False,
 ) -> None:
     """Search partitions' knob spaces for their time-energy frontiers."""
-    ps = PartitionSet.from_job(job)
-    keys = partition or ps.keys
+    workload = Workload.build(job)
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           initial=initial, batch_size=batch_size, tolerance=tolerance,
                           patience=patience, surrogate=SurrogateConfig(kind=surrogate))
-    check_prior(prior)
-    for key in keys:  # unknown keys and bad settings fail before any work starts
-        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), prior != "none")
-    backend.check(job)
-    check_journal(journal)
-    tasks = [make_task(job, key, config, backend, journal,
-                       None if prior == "none" else prior) for key in keys]
-    results = run_with_progress(tasks, executor, quiet=json_out)
+    tasks = prepare_search(workload, partition, config, backend, executor, journal, prior)
+    if json_out:
+        results = run_tasks(tasks, executor, workload=workload)
+    else:
+        with ProgressBars([t.partition for t in tasks], stderr_console()) as bars:
+            results = run_tasks(tasks, executor, bars.update, workload=workload)
+            bars.finish(results)
     if json_out:
         docs = [r.to_dict() for r in results]
         print_json(docs[0] if len(docs) == 1 else {
@@ -208,29 +157,22 @@ def profile(
     """
     if strategy not in ("mbo", "exhaustive"):
         raise SpecError(f"--strategy must be mbo or exhaustive, got {strategy!r}")
-    if ray_retries < 0:
-        raise SpecError(f"--ray-retries must be >= 0, got {ray_retries}")
-    spec = backend  # the protocol (--window, --cooldown, --settle) is the backend's
+    workload = Workload.build(job)
+    # the protocol (--window, --cooldown, --settle) is the backend's
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           tolerance=tolerance)
-    ps = PartitionSet.from_job(job)
-    keys = partition or ps.keys
-    for key in keys:  # unknown keys and bad settings fail before any work starts
-        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), False)
-    check_journal(journal)
-    run_profile = (partial(profile_ray, executor=executor, retries=ray_retries)
-                   if executor.name == "ray" else profile_local)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun: only rank 0 reports
-        run_profile(job, journal, spec, config, keys, composition=not partitions_only)
+    run = prepare_profile(workload, journal, backend, config, partition,
+                          composition=not partitions_only, executor=executor,
+                          retries=ray_retries)
+    if run.quiet:  # under torchrun: only rank 0 reports
+        run.run()
         return
     if json_out:
         print_json({"schema_version": SCHEMA_VERSION, "journal": journal,
-                    **run_profile(job, journal, spec, config, keys,
-                                  composition=not partitions_only).to_dict()})
+                    **run.run().to_dict()})
         return
-    with ProgressBars(list(keys)) as bars:
-        result = run_profile(job, journal, spec, config, keys, progress=bars.update,
-                             composition=not partitions_only)
+    with ProgressBars(run.keys, stderr_console()) as bars:
+        result = run.run(bars.update)
         bars.finish(result.searches)
     measured = sum(r.measured_this_run for r in result.searches)
     reused = sum(r.reused_from_journal for r in result.searches)

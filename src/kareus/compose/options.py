@@ -12,17 +12,22 @@ sources of its options at each clock:
   stands in.
 
 Every number comes from the Backend (docs/architecture.md); nothing here knows which
-backend it is.
+backend it is. The composer first writes every option down as a recipe of needs
+(kareus.compose.recipe), so what composing asks for is known before anything is measured
+(`Composer.needs`); each need is then answered once, journal first where the backend is a
+journal-first one, and every recipe is evaluated once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from kareus.backends.base import Backend
-from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
+from kareus.backends.base import Backend, JournalFirst
+from kareus.backends.needs import Need, measure_need
+from kareus.compose.instruction import InstructionOption, KeyOption, pareto_front
 from kareus.compose.pipeline import PipelineCosts
-from kareus.core import DIRECTIONS, ZERO, Knobs, Measurement, PartitionSetting
+from kareus.compose.recipe import Combined, KeyChoice, Recipe, Scaled, Total, Whole
+from kareus.core import DIRECTIONS, Knobs, Measurement, PartitionSetting
 from kareus.errors import SpecError
 from kareus.plans.methods import Method
 from kareus.workload.partition import PartitionSet, Step
@@ -48,6 +53,8 @@ def key_frontiers(samples_by_key: Mapping[str, Iterable[tuple[Knobs, Measurement
 
 
 class Composer:
+    """The instruction options and pipeline costs of a job's methods on one backend."""
+
     def __init__(self, ps: PartitionSet, backend: Backend, freqs_mhz: tuple[int, ...]
                  ) -> None:
         self.ps = ps
@@ -56,108 +63,147 @@ class Composer:
         self.f_max = self.freqs[0]
         """The highest clock of the search list: the max-clock methods run there, and so
         do the pipeline transfers (a GPU profiled without clock changes has one clock)."""
+        self._recipes: dict[str, dict[tuple[int, str], list[Recipe]]] = {}
+        self._answers: dict[Need, Measurement] = {}
+        self.recipes_built = 0
+        """Methods whose recipes were written down (each once per composer)."""
 
-    def ask_all(self, methods: Sequence[Method], fronts: KeyFrontiers) -> None:
-        """Ask the backend for every number composing ``methods`` takes: a dry run lists
-        them, a journaled backend measures and records them."""
+    # What composing asks for -------------------------------------------------------------
+
+    def needs(self, methods: Sequence[Method], fronts: KeyFrontiers | None) -> list[Need]:
+        """Every number composing ``methods`` (and the pipeline) takes, in the order it is
+        first used, once each. Nothing is measured."""
+        out: dict[Need, None] = {}
         for method in methods:
-            self.options(method, fronts)
-        self.pipeline_costs()
+            for recipes in self._method_recipes(method, fronts).values():
+                for r in recipes:
+                    out.update(dict.fromkeys(r.needs()))
+        out.update(dict.fromkeys(self._pipeline_needs()))
+        return list(out)
+
+    def answer_all(self, needs: Sequence[Need]) -> None:
+        """Fetch ``needs`` from the backend now, in this order (a profile measures them)."""
+        for need in needs:
+            self._answer(need)
 
     # Options ---------------------------------------------------------------------------
 
     def options(self, method: Method, fronts: KeyFrontiers | None = None
                 ) -> InstructionOptions:
+        recipes = self._method_recipes(method, fronts)
+        self.answer_all([n for rs in recipes.values() for r in rs for n in r.needs()])
+        return {sd: pareto_front([o for r in rs for o in r.options(self._answers)])
+                for sd, rs in recipes.items()}
+
+    def _method_recipes(self, method: Method, fronts: KeyFrontiers | None
+                        ) -> dict[tuple[int, str], list[Recipe]]:
+        if method.name in self._recipes:
+            return self._recipes[method.name]
         if method.needs_search and fronts is None:
             raise SpecError(f"{method.name} needs the partitions' search results")
         freqs = (self.f_max,) if method.clocks == "max" else self.freqs
-        out: InstructionOptions = {}
+        out: dict[tuple[int, str], list[Recipe]] = {}
         for stage in range(self.ps.job.pp):
             for d in DIRECTIONS:
-                opts: list[InstructionOption] = []
+                recipes: list[Recipe] = []
                 for f in freqs:
                     for source in method.options:
                         if source == "searched":
                             assert fronts is not None
-                            opts += self._composed(stage, d, f, fronts)
+                            recipes.append(self._composed(stage, d, f, fronts))
                         elif source == "default_overlap":
-                            opts.append(self._default_overlap(stage, d, f))
+                            recipes.append(self._default_overlap(stage, d, f))
                         else:
-                            opts.append(self._sequential(stage, d, f))
-                out[(stage, d)] = pareto_front(opts)
+                            recipes.append(self._sequential(stage, d, f))
+                out[(stage, d)] = recipes
+        self._recipes[method.name] = out
+        self.recipes_built += 1
         return out
 
-    def _default_overlap(self, stage: int, d: str, f: int) -> InstructionOption:
+    def _default_overlap(self, stage: int, d: str, f: int) -> Whole:
         """Every partition at the backend's default SMs, launched at its first slot."""
-        b = self.backend
-        total = ZERO
+        sms = self.backend.default_sms
+        parts: list[Need] = []
         for step in self.ps.layouts[(stage, d)].steps:
             if step.kind == "partition":
                 assert step.key is not None
                 p = self.ps[step.key]
-                m = b.measure(p, Knobs(f, b.default_sms, p.slots[0].name))
+                parts.append(Need.of_partition(p, Knobs(f, sms, p.slots[0].name)))
             else:
-                m = self._fixed(step, f)
-            total = total + m
-        return InstructionOption(total.time_s, total.dynamic_energy_j, f)
+                parts.append(self._fixed(step, f))
+        return Whole(f, Total(tuple(parts)))
 
-    def _fixed(self, step: Step, f: int) -> Measurement:
+    def _fixed(self, step: Step, f: int) -> Need:
         """A step no knob of Kareus's tunes: ops back to back, or a weight gradient GEMM
         beside its input-gradient collective (NCCL's default channels, launched with it)."""
-        b = self.backend
+        sms = self.backend.default_sms
         if step.kind == "overlap":
             assert step.unit is not None
-            return b.measure(step.unit, Knobs(f, b.default_sms, step.unit.slots[0].name))
-        return b.measure_ops(step.ops, f)
+            return Need.of_partition(step.unit, Knobs(f, sms, step.unit.slots[0].name))
+        return Need.of_ops(step.ops, f, sms)
 
-    def _steps(self, steps: Sequence[Step], f: int) -> Measurement:
-        total = ZERO
-        for step in steps:
-            total = total + self._fixed(step, f)
-        return total
+    def _steps(self, steps: Sequence[Step], f: int) -> Total:
+        return Total(tuple(self._fixed(step, f) for step in steps))
 
-    def _sequential(self, stage: int, d: str, f: int) -> InstructionOption:
+    def _sequential(self, stage: int, d: str, f: int) -> Whole:
         """Megatron-LM: the whole microbatch, collectives blocking (but for the
         input-gradient all-reduce beside the weight gradient GEMM), default SMs."""
         pre, layers, post = self.ps.sequential_steps(stage, d)
-        layer = self._steps(self.ps.sequential_layer[d], f)
-        m = self._steps(pre, f) + layer.scaled(layers) + self._steps(post, f)
-        return InstructionOption(m.time_s, m.dynamic_energy_j, f, sequential=True)
+        layer = Scaled(self._steps(self.ps.sequential_layer[d], f), layers)
+        total = Total((self._steps(pre, f), layer, self._steps(post, f)), from_zero=False)
+        return Whole(f, total, sequential=True)
 
-    def _composed(self, stage: int, d: str, f: int, fronts: KeyFrontiers
-                  ) -> list[InstructionOption]:
-        b = self.backend
+    def _composed(self, stage: int, d: str, f: int, fronts: KeyFrontiers) -> Combined:
         layout = self.ps.layouts[(stage, d)]
-        t0 = e0 = 0.0
-        for step in layout.steps:
-            if step.kind != "partition":
-                m = self._fixed(step, f)
-                t0 += m.time_s
-                e0 += m.dynamic_energy_j
-        per_key = {}
+        fixed = tuple(self._fixed(step, f) for step in layout.steps
+                      if step.kind != "partition")
+        keys: dict[str, KeyChoice] = {}
         for key, count in layout.partition_counts().items():
             opts = fronts.get(key, {}).get(f)
-            if not opts:
-                p = self.ps[key]
-                default = PartitionSetting(b.default_sms, p.slots[0].name)
-                m = b.measure(p, Knobs.at(f, default))
-                opts = [KeyOption(m.time_s, m.dynamic_energy_j, default)]
-            per_key[key] = (count, opts)
-        return combine(t0, e0, f, per_key)
+            if opts:
+                keys[key] = KeyChoice(count, tuple(opts))
+                continue
+            p = self.ps[key]
+            default = PartitionSetting(self.backend.default_sms, p.slots[0].name)
+            keys[key] = KeyChoice(count, fallback=Need.of_partition(p, Knobs.at(f, default)),
+                                  default=default)
+        return Combined(f, fixed, keys)
 
     # Pipeline costs ----------------------------------------------------------------------
 
+    def _pipeline_needs(self) -> list[Need]:
+        sms = self.backend.default_sms
+        out: list[Need] = []
+        for g in self.ps.graph.stages:
+            out += [Need.of_ops((t,), self.f_max, sms) for t in g.transfers]
+            if g.iteration_end:
+                out.append(Need.of_ops(g.iteration_end, self.f_max, sms))
+        return out
+
     def pipeline_costs(self) -> PipelineCosts:
         job, b = self.ps.job, self.backend
+        self.answer_all(self._pipeline_needs())
+        sms = b.default_sms
         act, grad, end, fixed = [], [], [], []
         for g in self.ps.graph.stages:
-            # each transfer once, on the sender (kareus.plans.schedule: both ends wait for it)
-            sends = {t.name: b.measure_ops((t,), self.f_max) for t in g.transfers}
+            # each transfer once, on the sender (kareus.plans.schedule: both ends wait)
+            sends = {t.name: self._answers[Need.of_ops((t,), self.f_max, sms)]
+                     for t in g.transfers}
             act.append(sends["send_activation"].time_s if g.send_activation else 0.0)
             grad.append(sends["send_grad"].time_s if g.send_grad else 0.0)
-            e = b.measure_ops(g.iteration_end, self.f_max) if g.iteration_end else None
+            e = (self._answers[Need.of_ops(g.iteration_end, self.f_max, sms)]
+                 if g.iteration_end else None)
             end.append(e.time_s if e else 0.0)
             fixed.append(job.num_microbatches * sum(m.dynamic_energy_j for m in sends.values())
                          + (e.dynamic_energy_j if e else 0.0))
         return PipelineCosts(job.pp, job.num_microbatches, job.num_gpus, b.static_power_w,
                              tuple(act), tuple(grad), tuple(end), tuple(fixed))
+
+    def _answer(self, need: Need) -> Measurement:
+        hit = self._answers.get(need)
+        if hit is None:
+            b = self.backend
+            hit = (b.answer(need).measurement if isinstance(b, JournalFirst)
+                   else measure_need(b, need))
+            self._answers[need] = hit
+        return hit

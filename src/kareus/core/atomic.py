@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 _AT_FDCWD = -100
@@ -40,6 +41,26 @@ def exchange_dirs(a: Path, b: Path) -> None:
     os.rename(a, aside)
     os.rename(b, a)
     os.rename(aside, b)
+
+
+def replace_dir(path: Path, fill: Callable[[Path], None], tag: str) -> None:
+    """Give ``path`` new content whole: ``fill`` writes it into an empty directory beside
+    ``path`` (``.NAME.tmp-TAG``: a writer killed midway leaves only that, which its owner
+    removes), which is then swapped with ``path`` (renamed to it where ``path`` does not
+    exist) and removed, holding the old content. A reader sees the old directory or the
+    new one, never a mix. Whatever fails, the directory beside is removed and the error
+    (OSError, or what ``fill`` raises) propagates; ``path`` is as ``fill`` left it."""
+    tmp = path.parent / f".{path.name}.tmp-{tag}"
+    try:
+        remove_tree(tmp)
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        if path.exists():
+            exchange_dirs(path, tmp)
+        else:
+            os.rename(tmp, path)
+    finally:
+        remove_tree(tmp)
 
 
 def remove_tree(path: Path) -> None:

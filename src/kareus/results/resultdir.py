@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus import SCHEMA_VERSION
-from kareus.core.atomic import exchange_dirs, remove_tree
+from kareus.core.atomic import remove_tree, replace_dir
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError
 from kareus.plans.plan import Plan
@@ -102,18 +102,18 @@ class ResultDir:
             remove_tree(stale)
 
     def write(self, result: OptimizeResult) -> None:
-        """Build the new result beside the directory, then swap it in: a reader sees the
-        old result or the new one, never a mix. The journal and any other file of the
-        directory are carried over (hard links: the journal is never absent or copied)."""
+        """Build the new result beside the directory, then swap it in
+        (kareus.core.atomic.replace_dir): a reader sees the old result or the new one,
+        never a mix. The journal and any other file of the directory are carried over
+        (hard links: the journal is never absent or copied)."""
         from kareus.results.report import frontier_figure, markdown_report, timeline_figure
 
-        tmp = self.path.parent / f".{self.path.name}.tmp-{result.run_id or 'run'}"
-        new = ResultDir(tmp)
         job_doc = result.job.model_dump(mode="json")
         stamp = {"run_id": result.run_id, "job_id": result.job_id}
-        try:
-            remove_tree(tmp)
-            new.plans_dir.mkdir(parents=True)
+
+        def fill(tmp: Path) -> None:
+            new = ResultDir(tmp)
+            new.plans_dir.mkdir()
             for plans in result.plans.values():
                 for p in plans:
                     new.plan_file(p.id).write_text(json.dumps({**p.to_dict(job_doc), **stamp}))
@@ -123,10 +123,11 @@ class ResultDir:
             new.report.write_text(markdown_report(result, self.path))
             new.result_file.write_text(json.dumps(result.to_dict(), indent=1))
             self._carry_over(tmp)
-            exchange_dirs(self.path, tmp)
+
+        try:
+            replace_dir(self.path, fill, result.run_id or "run")
         except OSError as exc:
             raise KareusError(f"cannot write the result to {self.path}: {exc}") from None
-        remove_tree(tmp)  # now the old result
 
     def _carry_over(self, tmp: Path) -> None:
         """Everything in the directory that is not a result file goes into the new one."""

@@ -13,6 +13,7 @@ from kareus.job.presets import JOB_PRESETS
 from kareus.job.sources import build_job
 from kareus.plans.methods import ISO_REFERENCE, all_methods, display_name
 from kareus.results.report import frontier_figure
+from kareus.results.sensitivity_report import range_note, sensitivity_markdown
 from kareus.search.loop import SearchConfig
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
@@ -20,10 +21,9 @@ from kareus.workflows.sensitivity import (
     HEADLINE_METHOD,
     SensitivityCase,
     SensitivitySpec,
-    range_note,
     run_sensitivity,
-    sensitivity_markdown,
 )
+from kareus.workload.workload import Workload
 
 SUITES = {"kareus": [f"kareus-{i}" for i in range(1, 11)]}
 
@@ -48,7 +48,7 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
               sensitivity: SensitivitySpec | None = None) -> dict[str, Any]:
     """``sensitivity``: also the headline's ranges over the least-known emulator
     constants (kareus.workflows.sensitivity), in compare.json's ``sensitivity`` and compare.md."""
-    from kareus.backends.factory import BackendSpec
+    from kareus.backends.registry import spec_from_options
 
     if suite not in SUITES:
         raise KareusError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
@@ -64,8 +64,11 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
         if log:
             log(f"{preset}: optimizing")
         job = build_job(preset)
-        r = optimize(job, str(out / preset), SearchConfig(budget=budget, seed=seed),
-                     BackendSpec(noise=noise, seed=seed), ExecutorSpec(workers=workers))
+        r = optimize(Workload.build(job), str(out / preset),
+                     SearchConfig(budget=budget, seed=seed),
+                     spec_from_options("emulator", {"noise": noise, "seed": seed}),
+                     ExecutorSpec(workers=workers))
+        assert r is not None  # the emulator: no rank measures only
         frontier_figure(r.frontier_points(), out / f"{preset}.png", job.describe())
         configs.append({
             "preset": preset,

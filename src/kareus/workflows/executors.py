@@ -1,10 +1,12 @@
 """Searching many partitions at once: a local process pool (default) or Ray tasks.
 
 A task carries only plain data (the job as JSON, the partition key, the search settings,
-the backend spec, the journal path); each worker rebuilds the job, its backend and its
-own journal connection, and returns its SearchResult as a dict, turned back into a
-SearchResult here. Emulator noise depends on (seed, setting), not on call order, and
-each search is seeded, so the results are identical whichever executor runs them.
+the backend spec, the journal path); a worker process builds the workload once, its
+backend and its own journal connection (journal first: kareus.backends.journaled), and
+returns its SearchResult as a dict, turned back into a SearchResult here. A task run in
+this process uses the workload already built. Emulator noise depends on (seed, setting),
+not on call order, and each search is seeded, so the results are identical whichever
+executor runs them.
 """
 
 from __future__ import annotations
@@ -15,18 +17,24 @@ import queue as queue_mod
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kareus.backends.factory import BackendSpec, open_backend, open_prior
+from kareus.backends.journaled import JournaledBackend
+from kareus.backends.registry import (
+    BackendSpec,
+    check_prior,
+    default_spec,
+    open_prior,
+    spec_from_dict,
+)
 from kareus.errors import KareusError, SpecError
-from kareus.job.spec import JobSpec, validate_job
+from kareus.job.spec import JobSpec
 from kareus.ray_support import ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 EXECUTORS = ("local", "ray")
 
@@ -40,6 +48,11 @@ class ExecutorSpec:
     ray_address: str | None = None
     ray_timeout_s: float = 30.0
     """How long to try reaching the Ray cluster before one clear error."""
+
+    @property
+    def distributed(self) -> bool:
+        """Work runs on a Ray cluster rather than in local processes."""
+        return self.name == "ray"
 
     def check(self) -> None:
         """Bad settings, and an unreachable Ray cluster, fail here: before any work starts
@@ -80,47 +93,42 @@ class SearchTask:
     job: dict[str, Any]
     partition: str
     config: dict[str, Any]
-    backend: dict[str, Any] = field(default_factory=lambda: BackendSpec().to_dict())
+    backend: dict[str, Any] = field(default_factory=lambda: default_spec().to_dict())
     journal: str | None = None
     prior: str | None = None
     """"emulator": the nominal emulator's predictions inform the search."""
 
     @property
     def runs_on_gpu(self) -> bool:
-        return self.backend.get("name") == "nvml"
+        """One GPU measures one partition at a time: such searches run in this process."""
+        return spec_from_dict(self.backend).capabilities.real_gpu
 
 
-def make_task(job: JobSpec, partition: str, config: SearchConfig,
+def make_task(job: JobSpec | Workload, partition: str, config: SearchConfig,
               backend: BackendSpec | None = None, journal: str | None = None,
               prior: str | None = None) -> SearchTask:
-    return SearchTask(job=job.model_dump(mode="json"), partition=partition,
-                      config=asdict(config), backend=(backend or BackendSpec()).to_dict(),
+    doc = job.to_job_dict() if isinstance(job, Workload) else job.model_dump(mode="json")
+    return SearchTask(job=doc, partition=partition,
+                      config=asdict(config), backend=(backend or default_spec()).to_dict(),
                       journal=journal, prior=prior)
 
 
 def _config(doc: dict[str, Any]) -> SearchConfig:
-    cfg = dict(doc)
-    cfg["surrogate"] = SurrogateConfig(**cfg.get("surrogate", {}))
-    cfg["shares"] = tuple(cfg["shares"])
-    return SearchConfig(**cfg)
+    return SearchConfig.from_dict(doc)
 
 
-def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = None
-             ) -> SearchResult:
-    """Run one partition's search."""
-    job = validate_job(task.job)
-    ps = PartitionSet.from_job(job)
-    prior = open_prior(task.prior, job)
+def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = None,
+             workload: Workload | None = None) -> SearchResult:
+    """Run one partition's search (``workload``: the task's, already built here), journal
+    first: through the task's journal, or one in memory."""
+    wl = workload or Workload.from_job_dict(task.job)
+    prior = open_prior(task.prior, wl.job) if task.prior else None
     config = _config(task.config)
-    journal = Journal(task.journal) if task.journal else None
-    try:
-        jid = journal.register_job(job) if journal is not None else ""
-        with open_backend(job, BackendSpec.from_dict(task.backend)) as backend:
-            return run_search(ps[task.partition], backend, job.freqs_mhz, config, journal,
-                              jid, prior, progress)
-    finally:
-        if journal is not None:
-            journal.close()
+    with Journal(task.journal or ":memory:") as journal, \
+            spec_from_dict(task.backend).open(wl) as backend:
+        measured = JournaledBackend(backend, journal, journal.register_job(wl.job))
+        return run_search(wl[task.partition], measured, wl.job.freqs_mhz, config, prior,
+                          progress)
 
 
 def _run_task_as_dict(task: SearchTask) -> dict[str, Any]:
@@ -165,15 +173,17 @@ TaskProgress = Callable[[str, int, int], None]
 
 
 def run_tasks(tasks: list[SearchTask], executor: ExecutorSpec | None = None,
-              progress: TaskProgress | None = None) -> list[SearchResult]:
-    """Run every task; results in the order of ``tasks``."""
+              progress: TaskProgress | None = None, workload: Workload | None = None
+              ) -> list[SearchResult]:
+    """Run every task; results in the order of ``tasks``. ``workload``: the tasks' own,
+    for those run in this process."""
     ex = executor or ExecutorSpec()
     ex.check()
-    if ex.name == "ray":
+    if ex.distributed:
         return _run_ray(tasks, ex.ray_address, progress)
     # one GPU measures one partition at a time: real-GPU searches run in this process
     if len(tasks) == 1 or ex.workers == 1 or any(t.runs_on_gpu for t in tasks):
-        return [run_task(t, _for_key(progress, t.partition)) for t in tasks]
+        return [run_task(t, _for_key(progress, t.partition), workload) for t in tasks]
     return _run_pool(tasks, ex.workers or min(len(tasks), os.cpu_count() or 1), progress)
 
 
@@ -228,3 +238,33 @@ def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgres
                     n = len(results[i].samples)
                     progress(tasks[i].partition, n, n)
         return [results[i] for i in range(len(tasks))]
+
+
+def prepare_search(workload: Workload, keys: Sequence[str] | None, config: SearchConfig,
+                   backend: BackendSpec, executor: ExecutorSpec,
+                   journal: str | None = None, prior: str | None = None
+                   ) -> list[SearchTask]:
+    """`kareus search`'s tasks: every partition of ``keys`` (default: all). Unknown keys,
+    bad settings, an unknown prior and an unreadable journal fail here, before any work
+    starts and before any progress is shown."""
+    chosen = list(keys or workload.keys)
+    check_prior(prior)
+    with_prior = prior not in (None, "none")
+    for key in chosen:
+        config.check(workload[key].knob_space_size(len(workload.job.freqs_mhz)), with_prior)
+    backend.check(workload.job)
+    executor.check()
+    if journal is not None:
+        Journal(journal).close()
+    return [make_task(workload, key, config, backend, journal,
+                      prior if with_prior else None) for key in chosen]
+
+
+def search_partitions(workload: Workload, keys: Sequence[str] | None, config: SearchConfig,
+                      backend: BackendSpec, executor: ExecutorSpec,
+                      journal: str | None = None, prior: str | None = None,
+                      progress: TaskProgress | None = None) -> list[SearchResult]:
+    """`prepare_search`, then every search, journal first (``journal``, or one in memory
+    per search)."""
+    tasks = prepare_search(workload, keys, config, backend, executor, journal, prior)
+    return run_tasks(tasks, executor, progress, workload=workload)

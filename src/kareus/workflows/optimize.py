@@ -1,20 +1,34 @@
 """`kareus optimize`: search every partition, compose every method's frontier, validate the
-plans, write the result directory (kareus.results.resultdir)."""
+plans, write the result directory (kareus.results.resultdir).
+
+`prepare_optimize` checks everything that can fail on bad input, once, before any work
+starts, and returns an `OptimizeRun`; its `run` does the work on the workload built once.
+Where the numbers come from is the backend spec's to say (its capabilities): one with a
+cost model is searched and validated by simulation; one that profiles first (real GPUs)
+measures everything into the result's journal, then composes from it; ``measurements``
+composes from a journal alone.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from kareus.backends.base import PlanSimulator
-from kareus.backends.factory import BackendSpec, open_backend, plan_simulator
-from kareus.backends.journaled import JournaledBackend
+from kareus.backends.base import Backend, PlanSimulator
+from kareus.backends.journaled import JournaledBackend, MissingMeasurement
 from kareus.backends.needs import summarize
-from kareus.backends.replay import MissingMeasurement, ReplayBackend
+from kareus.backends.registry import (
+    BackendSpec,
+    backend_kind,
+    cost_model_kinds,
+    default_spec,
+    replay_spec,
+)
+from kareus.backends.replay import open_replay
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, PipelinePoint
@@ -29,160 +43,197 @@ from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
 from kareus.store import Journal, job_id
 from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_task, run_tasks
-from kareus.workflows.profile import profile
-from kareus.workload.partition import PartitionSet
-
-FILL_MISSING = ("emulator",)
-
-
-def check_optimize(job: JobSpec, out_dir: str, config: SearchConfig,
-                   backend: BackendSpec, executor: ExecutorSpec, force: bool = False,
-                   measurements: str | None = None, fill_missing: str | None = None
-                   ) -> None:
-    """Everything that can fail on bad input, checked before any work starts."""
-    executor.check()
-    ResultDir(out_dir).check_writable(job_id(job), force)
-    if fill_missing is not None and fill_missing not in FILL_MISSING:
-        raise SpecError(f"--fill-missing takes {', '.join(FILL_MISSING)}, got "
-                        f"{fill_missing!r}")
-    if fill_missing is not None and measurements is None:
-        raise SpecError("--fill-missing needs --measurements JOURNAL")
-    if measurements is not None:
-        if not Path(measurements).is_file():
-            raise SpecError(f"journal not found: {measurements}")
-        if fill_missing is None:
-            check_measurements(job, measurements, backend.replay_identity)
-        else:
-            ReplayBackend(measurements, job, backend.replay_identity)  # one backend, its GPU
-        return
-    backend.check(job)
-    ps = PartitionSet.from_job(job)
-    for key in ps.keys:
-        config.check(ps[key].knob_space_size(len(job.freqs_mhz)), False)
-
-
-def optimize(job: JobSpec, out_dir: str, config: SearchConfig,
-             backend: BackendSpec | None = None, executor: ExecutorSpec | None = None,
-             methods: Sequence[str] | None = None, progress: TaskProgress | None = None,
-             stage: Callable[[str], None] | None = None, force: bool = False,
-             measurements: str | None = None, fill_missing: str | None = None
-             ) -> OptimizeResult:
-    """Search, compose, validate, write ``out_dir`` (kareus.results.resultdir). ``force``: replace
-    the result of another job in ``out_dir`` (its measurements stay in the journal).
-
-    ``measurements``: compose from that journal alone (no search, no emulator number);
-    what it lacks is one error listing it, unless ``fill_missing="emulator"`` takes those
-    numbers from the emulator (and the result says which). A real-GPU backend profiles
-    everything into the result's journal first (kareus.workflows.profile), then composes from it."""
-    spec = backend or BackendSpec()
-    rd = ResultDir(out_dir)
-    rd.check_writable(job_id(job), force)
-    rd.prepare()
-    say = stage or (lambda _msg: None)
-    chosen = all_methods() if methods is None else tuple(get_method(m) for m in methods)
-    timings: dict[str, float] = {}
-    if measurements is None and spec.name in ("nvml", "fakegpu"):
-        t0 = time.perf_counter()
-        say(f"profiling every partition and composition step on {spec.name}")
-        profiled = profile(job, str(rd.journal), spec, config, progress=progress)
-        timings["profile"] = time.perf_counter() - t0
-        measurements = str(rd.journal)
-        spec = replace(spec, replay_identity=profiled.identity)  # not another backend's
-    if measurements is not None:
-        searches, solved, sources, f_max, costs = _compose_measured(
-            job, measurements, spec.replay_identity, fill_missing, chosen, say, timings)
-        simulator = None  # the emulator is no ground truth for measured numbers
-    else:
-        searches, solved, f_max, costs = _search_and_compose(
-            job, rd, config, spec, executor, chosen, progress, say, timings)
-        sources = None
-        simulator = plan_simulator(job, spec.calibration) if spec.name == "emulator" else None
-    t0 = time.perf_counter()
-    plans, worst = _plans(chosen, solved, f_max, simulator, costs)
-    timings["validate"] = time.perf_counter() - t0
-    metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v] for m, v in plans.items()})
-    result = OptimizeResult(job, plans, searches, metrics, worst, timings, sources=sources)
-    result.run_id = result.content_id()
-    rd.write(result)
-    return result
-
+from kareus.workflows.profile import check_profile, profile, torchrun_rank
+from kareus.workload.workload import Workload
 
 Solved = dict[str, list[PipelinePoint]]
+Say = Callable[[str], None]
 
 
-def check_measurements(job: JobSpec, journal: str, identity: str | None = None,
-                       methods: Sequence[Method] | None = None) -> None:
-    """One error listing everything composing ``methods`` (default: all) from ``journal``
-    needs and the journal lacks, with the command that measures it; a dry run of the
-    composition, nothing is solved."""
-    ps = PartitionSet.from_job(job)
-    dry = ReplayBackend(journal, job, identity, collect=True)
-    fronts = key_frontiers({k: dry.samples(k) for k in ps.keys})
-    Composer(ps, dry, job.freqs_mhz).ask_all(methods or all_methods(), fronts)
-    if dry.missing:
+@dataclass
+class OptimizeRun:
+    """An optimize whose inputs were checked: `run` does the work."""
+
+    workload: Workload
+    out_dir: str
+    config: SearchConfig
+    backend: BackendSpec
+    executor: ExecutorSpec
+    methods: tuple[Method, ...]
+    fill: BackendSpec | None = None
+    composer: Composer | None = None
+    """Composing from a journal alone: the composer that listed the journal's lacks while
+    the inputs were checked, and composes now (it is not built twice)."""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def measures_only(self) -> bool:
+        """A torchrun rank other than 0: it measures in lockstep with rank 0, which
+        journals, composes and writes the result."""
+        return self.backend.capabilities.process_per_gpu and torchrun_rank() != 0
+
+    def run(self, progress: TaskProgress | None = None, stage: Say | None = None
+            ) -> OptimizeResult | None:
+        """Search (or profile), compose, validate, write ``out_dir``; None on a rank that
+        only measures."""
+        rd = ResultDir(self.out_dir)
+        if self.measures_only:
+            rd.path.mkdir(parents=True, exist_ok=True)
+            profile(self.workload, str(rd.journal), self.backend, self.config)
+            return None
+        rd.prepare()
+        say = stage or (lambda _msg: None)
+        source = self.backend.journal_source()
+        if self.backend.capabilities.profiles_first:
+            t0 = time.perf_counter()
+            say(f"profiling every partition and composition step on {self.backend.name}")
+            profiled = profile(self.workload, str(rd.journal), self.backend, self.config,
+                               progress=progress)
+            self.timings["profile"] = time.perf_counter() - t0
+            source = (str(rd.journal), profiled.identity)  # not another backend's
+        simulator: PlanSimulator | None = None
+        sources = None
+        if source is not None:
+            searches, composer, solved, sources = self._compose_measured(*source, say)
+        else:
+            searches, composer, solved = self._search_and_compose(rd, progress, say)
+            simulator = self.backend.plan_simulator(self.workload)
+        t0 = time.perf_counter()
+        plans, worst = _plans(self.methods, solved, composer.f_max, simulator,
+                              composer.pipeline_costs())
+        self.timings["validate"] = time.perf_counter() - t0
+        metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v]
+                                  for m, v in plans.items()})
+        result = OptimizeResult(self.workload.job, plans, searches, metrics, worst,
+                                self.timings, sources=sources)
+        result.run_id = result.content_id()
+        rd.write(result)
+        return result
+
+    def _search_and_compose(self, rd: ResultDir, progress: TaskProgress | None, say: Say
+                            ) -> tuple[list[SearchResult], Composer, Solved]:
+        wl = self.workload
+        t0 = time.perf_counter()
+        searches: list[SearchResult] = []
+        if any(m.needs_search for m in self.methods):
+            say(f"searching {len(wl.keys)} partitions")
+            tasks = [make_task(wl, key, self.config, self.backend, journal=str(rd.journal))
+                     for key in wl.keys]
+            searches = run_tasks(tasks, self.executor, progress, workload=wl)
+        self.timings["search"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fronts = key_frontiers({r.partition: [(s.knobs, s.measurement) for s in r.samples]
+                                for r in searches})
+        with self.backend.open(wl) as measuring, Journal(rd.journal) as journal:
+            b = JournaledBackend(measuring, journal, journal.register_job(wl.job))
+            composer = Composer(wl.partitions, b, wl.job.freqs_mhz)
+            solved = method_frontiers(composer, self.methods, fronts, say)
+            composer.pipeline_costs()  # answered already: nothing is measured after this
+        self.timings["compose"] = time.perf_counter() - t0
+        return searches, composer, solved
+
+    def _compose_measured(self, journal: str, identity: str | None, say: Say
+                          ) -> tuple[list[SearchResult], Composer, Solved, dict[str, Any]]:
+        """Every number from ``journal``: what it lacks is one error listing it, or the
+        fill backend's number where the user opted in."""
+        wl = self.workload
+        t0 = time.perf_counter()
+        with (self.fill.open(wl) if self.fill is not None else nullcontext()) as fallback:
+            composer = self.composer or _measured_composer(wl, journal, identity, fallback)
+            replay = composer.backend
+            assert isinstance(replay, JournaledBackend)
+            journaled = {k: replay.samples(k) for k in wl.keys}
+            fronts = key_frontiers(journaled)
+            say(f"composing from {journal} ({replay.identity()})")
+            searches = [SearchResult.from_journal(k, v) for k, v in journaled.items()]
+            solved = method_frontiers(composer, self.methods, fronts, say)
+            composer.pipeline_costs()
+        self.timings["compose"] = time.perf_counter() - t0
+        sources = {"measurements": journal, "backend": replay.identity(),
+                   "filled_from": self.fill.name if self.fill and replay.filled else None,
+                   "filled": [n.describe() for n in replay.filled]}
+        return searches, composer, solved, sources
+
+
+def _measured_composer(workload: Workload, journal: str, identity: str | None,
+                       fill: Backend | None = None) -> Composer:
+    """A composer over the journal's measurements alone (``fill``: what it lacks)."""
+    replay = open_replay(journal, workload.job, identity, fill=fill)
+    return Composer(workload.partitions, replay, workload.job.freqs_mhz)
+
+
+def _refuse_missing(journal: str, composer: Composer, methods: Sequence[Method]) -> None:
+    """One error listing what composing ``methods`` needs and the journal lacks."""
+    replay = composer.backend
+    assert isinstance(replay, JournaledBackend)
+    fronts = key_frontiers({k: replay.samples(k) for k in composer.ps.keys})
+    missing = replay.lacks(composer.needs(methods, fronts))
+    if missing:
         raise MissingMeasurement(
-            f"journal {journal} lacks {len(dry.missing)} measurements this job's "
-            f"composition needs (backend {dry.identity()}): {summarize(dry.missing)}; "
+            f"journal {journal} lacks {len(missing)} measurements this job's "
+            f"composition needs (backend {replay.identity()}): {summarize(missing)}; "
             f"measure them with `kareus profile` with this job's options and --journal "
-            f"{journal}, or pass --fill-missing emulator")
+            f"{journal}, or pass --fill-missing {' or '.join(cost_model_kinds())}")
 
 
-def _search_and_compose(job: JobSpec, rd: ResultDir, config: SearchConfig, spec: BackendSpec,
-                        executor: ExecutorSpec | None, chosen: Sequence[Method],
-                        progress: TaskProgress | None, say: Callable[[str], None],
-                        timings: dict[str, float]
-                        ) -> tuple[list[SearchResult], Solved, int, PipelineCosts]:
-    ps = PartitionSet.from_job(job)
-    t0 = time.perf_counter()
-    searches: list[SearchResult] = []
-    if any(m.needs_search for m in chosen):
-        say(f"searching {len(ps.keys)} partitions")
-        tasks = [make_task(job, key, config, spec, journal=str(rd.journal))
-                 for key in ps.keys]
-        searches = run_tasks(tasks, executor, progress)
-    timings["search"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    fronts = key_frontiers({r.partition: [(s.knobs, s.measurement) for s in r.samples]
-                            for r in searches})
-    with open_backend(job, spec) as measuring, Journal(rd.journal) as journal:
-        b = JournaledBackend(measuring, journal, journal.register_job(job))
-        composer = Composer(ps, b, job.freqs_mhz)
-        solved = method_frontiers(composer, chosen, fronts, say)
-        costs = composer.pipeline_costs()  # measured already: from the journal
-    timings["compose"] = time.perf_counter() - t0
-    return searches, solved, composer.f_max, costs
-
-
-def _compose_measured(job: JobSpec, journal: str, identity: str | None,
-                      fill_missing: str | None, chosen: Sequence[Method],
-                      say: Callable[[str], None], timings: dict[str, float]
-                      ) -> tuple[list[SearchResult], Solved, dict[str, Any], int,
-                                 PipelineCosts]:
-    """Every number from ``journal``: a dry run lists what it lacks (one error), or the
-    emulator fills it where the user opted in."""
-    t0 = time.perf_counter()
-    ps = PartitionSet.from_job(job)
-    if fill_missing is None:
-        check_measurements(job, journal, identity, chosen)
-    with (open_backend(job, BackendSpec()) if fill_missing == "emulator"
-          else nullcontext()) as fallback:
-        replay = ReplayBackend(journal, job, identity, fallback=fallback)
-        say(f"composing from {journal} ({replay.identity()})")
-        journaled = {k: replay.samples(k) for k in ps.keys}
-        fronts = key_frontiers(journaled)
-        searches = [SearchResult.from_journal(k, v) for k, v in journaled.items()]
-        composer = Composer(ps, replay, job.freqs_mhz)
-        solved = method_frontiers(composer, chosen, fronts, say)
-        costs = composer.pipeline_costs()
-    timings["compose"] = time.perf_counter() - t0
-    sources = {"measurements": journal, "backend": replay.identity(),
-               "filled_from": fill_missing if replay.filled else None,
-               "filled": [n.describe() for n in replay.filled]}
-    return searches, solved, sources, composer.f_max, costs
+def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
+                     backend: BackendSpec | None = None, executor: ExecutorSpec | None = None,
+                     methods: Sequence[str] | None = None, force: bool = False,
+                     measurements: str | None = None, fill_missing: str | None = None
+                     ) -> OptimizeRun:
+    """Everything that can fail on bad input, checked once, before any work starts.
+    ``force``: replace the result of another job in ``out_dir`` (its measurements stay in
+    the journal). ``measurements``: compose from that journal alone (no search, no
+    emulator number); ``fill_missing``: a backend with a cost model fills what it lacks
+    (the result says which numbers). ``job``: the workload, or a job to build it from."""
+    workload = job if isinstance(job, Workload) else Workload.build(job)
+    spec = backend or default_spec()
+    ex = executor or ExecutorSpec()
+    chosen = all_methods() if methods is None else tuple(get_method(m) for m in methods)
+    if measurements is not None:
+        spec = replay_spec(measurements, compose_only=True)
+    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen)
+    if run.measures_only:
+        check_profile(workload, spec, config)
+        return run
+    ex.check()
+    ResultDir(out_dir).check_writable(job_id(workload.job), force)
+    source = spec.journal_source()
+    if fill_missing is not None:
+        if source is None:
+            raise SpecError("--fill-missing needs --measurements JOURNAL")
+        if fill_missing not in cost_model_kinds():
+            raise SpecError(f"--fill-missing takes {', '.join(cost_model_kinds())}, got "
+                            f"{fill_missing!r}")
+        run.fill = backend_kind(fill_missing)()
+    if source is not None:
+        if not os.path.isfile(source[0]):
+            raise SpecError(f"journal not found: {source[0]}")
+        # the journal describes one backend of this job's GPU (or names the one to use),
+        # and holds everything composing needs, unless the user opted in to filling it
+        if run.fill is None:
+            run.composer = _measured_composer(workload, *source)
+            _refuse_missing(source[0], run.composer, chosen)
+        else:
+            open_replay(source[0], workload.job, source[1])
+        return run
+    spec.check(workload.job)
+    for key in workload.keys:
+        config.check(workload[key].knob_space_size(len(workload.job.freqs_mhz)), False)
+    return run
 
 
-def _plans(methods: Sequence[Method], solved: dict[str, list[PipelinePoint]], f_max: int,
+def optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
+             backend: BackendSpec | None = None, executor: ExecutorSpec | None = None,
+             methods: Sequence[str] | None = None, progress: TaskProgress | None = None,
+             stage: Say | None = None, force: bool = False, measurements: str | None = None,
+             fill_missing: str | None = None) -> OptimizeResult | None:
+    """`prepare_optimize`, then `OptimizeRun.run`."""
+    return prepare_optimize(job, out_dir, config, backend, executor, methods, force,
+                            measurements, fill_missing).run(progress, stage)
+
+
+def _plans(methods: Sequence[Method], solved: Solved, f_max: int,
            simulator: PlanSimulator | None, costs: PipelineCosts
            ) -> tuple[dict[str, list[Plan]], float | None]:
     """Each frontier point as a Plan, simulated as one whole iteration where a simulator is

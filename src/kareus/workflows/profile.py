@@ -6,9 +6,10 @@
    last collective, embedding and LM head with the loss, forward and backward), the
    sequential Megatron-LM execution the baselines use, the default-overlap settings of the
    Nanobatching baselines, the pipeline send/receive and the data-parallel sync. These are
-   found by a dry run of the composition itself (`Composer.ask_all` on a journal that
-   answers placeholders), so the list is exactly what `kareus optimize --measurements`
-   will ask for, and nothing is measured twice.
+   the composition's own needs (`Composer.needs`, listed before anything is measured),
+   less what the journal holds, so the list is exactly what `kareus optimize
+   --measurements` will ask for, and nothing is measured twice. They are measured one
+   clock at a time, from the highest (a GPU settles once per clock).
 
 Under torchrun every rank of the TP/CP group runs the kernels and the collective in
 lockstep, every rank decides on rank 0's numbers (`AgreedBackend`), and rank 0 journals.
@@ -19,22 +20,23 @@ and a measurement at another is refused.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kareus.backends.agreed import AgreedBackend
 from kareus.backends.base import Backend
-from kareus.backends.factory import BackendSpec, open_backend
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need
-from kareus.compose.options import Composer, key_frontiers
+from kareus.backends.registry import BackendSpec
+from kareus.compose.options import Composer, KeyFrontiers, key_frontiers
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import all_methods
 from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.store import Journal, JournalLike
-from kareus.workload.partition import PartitionSet
+from kareus.store import Journal
+from kareus.workload.workload import Workload
 
 ProfileProgress = Callable[[str, int, int], None]
 """progress(partition key or COMPOSITION, done, total)."""
@@ -47,9 +49,10 @@ COMPOSITION = "composition steps"
 class ProfileResult:
     searches: list[SearchResult]
     composition_needed: int = 0
-    """Measurements outside the searches that composition uses (0: not profiled)."""
+    """Measurements outside the searches that composition uses and the journal lacked
+    (0: not profiled)."""
     composition_measured: int = 0
-    """Of those, measured by this run (the others were in the journal)."""
+    """Of those, measured by this run."""
     identity: str = ""
     """The measuring backend's identity: its measurements' key in the journal."""
 
@@ -60,7 +63,22 @@ class ProfileResult:
                 "backend": self.identity}
 
 
-def profile(job: JobSpec, journal: str, backend: BackendSpec,
+def torchrun_rank() -> int:
+    """This process's rank under torchrun (0 on a plain process)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def check_profile(workload: Workload, backend: BackendSpec, config: SearchConfig,
+                  keys: Sequence[str] | None = None, here: bool = True) -> list[str]:
+    """Unknown keys and bad settings fail before any work starts; the keys to profile."""
+    chosen = list(keys or workload.keys)
+    backend.check(workload.job, here)
+    for k in chosen:
+        config.check(workload[k].knob_space_size(len(workload.job.freqs_mhz)), False)
+    return chosen
+
+
+def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
             config: SearchConfig | None = None, keys: Sequence[str] | None = None,
             progress: ProfileProgress | None = None, composition: bool = True
             ) -> ProfileResult:
@@ -69,81 +87,63 @@ def profile(job: JobSpec, journal: str, backend: BackendSpec,
     from kareus.gpu.distributed import torchrun_group  # torch only where a group runs
 
     cfg = config or SearchConfig()
-    ps = PartitionSet.from_job(job)
-    parts = [ps[k] for k in (keys or ps.keys)]
-    backend.check(job)
+    workload = Workload.of(job)
+    job = workload.job
+    parts = [workload[k] for k in check_profile(workload, backend, cfg, keys)]
     with torchrun_group() as group:
+        several = group.world_size > 1
         for p in parts:
-            if group.world_size > 1 and p.collective.group_size != group.world_size:
+            if several and p.collective.group_size != group.world_size:
                 raise KareusError(f"{p.key} runs over {p.collective.group_size} GPUs; launch "
                                   f"torchrun with --nproc-per-node {p.collective.group_size}")
-        spec = backend
-        if backend.name in ("nvml", "fakegpu"):
-            several = group.world_size > 1
-            spec = replace(backend,
-                           gpu_index=group.local_rank if several else backend.gpu_index,
-                           torch_device=backend.torch_device or (
-                               group.device if several else None))
-        record = group.rank == 0
-        with Journal(journal) as store, open_backend(
-                job, spec, group.collectives, group.agree) as raw:
-            be: Backend = AgreedBackend(raw, group.agree) if group.world_size > 1 else raw
-            jid = store.register_job(job)
-            # without clock changes the job's one clock (BackendSpec.check): the nvml
+        spec = (backend.for_rank(group.local_rank, group.device)
+                if several and backend.capabilities.process_per_gpu else backend)
+        with Journal(journal) as store, spec.open(
+                workload, group.collectives, group.agree) as raw:
+            be: Backend = AgreedBackend(raw, group.agree) if several else raw
+            measured = JournaledBackend(be, store, store.register_job(job),
+                                        record=group.rank == 0)
+            # without clock changes the job's one clock (the spec's check): the nvml
             # backend refuses to measure while the GPU runs another
-            freqs = job.freqs_mhz
             searches = []
             for p in parts:
                 report = (lambda d, n, k=p.key: progress(k, d, n)) if progress else None
-                searches.append(run_search(
-                    p, be, freqs, cfg, store, jid, progress=report, record=record,
-                    agree=group.agree if group.world_size > 1 else None))
-            result = ProfileResult(searches, identity=be.identity())
+                searches.append(run_search(p, measured, job.freqs_mhz, cfg, progress=report,
+                                           agree=group.agree if several else None))
+            result = ProfileResult(searches, identity=measured.identity())
             if composition:
-                group.agree(True)  # every rank reads the journal after rank 0's last write
-                needed, measured = measure_composition(
-                    ps, be, store, jid, freqs, record,
-                    (lambda d, n: progress(COMPOSITION, d, n)) if progress else None)
-                result.composition_needed, result.composition_measured = needed, measured
+                result.composition_needed, result.composition_measured = \
+                    measure_composition(workload, measured, (
+                        lambda d, n: progress(COMPOSITION, d, n)) if progress else None)
         return result
 
 
-def composition_needs(ps: PartitionSet, backend: Backend, journal: JournalLike, jid: str,
-                      freqs_mhz: tuple[int, ...]) -> list[Need]:
-    """What composing every method from ``journal``'s partition measurements asks of
-    ``backend`` and the journal lacks (a dry run: nothing is measured)."""
-    dry = JournaledBackend(backend, journal, jid, dry_run=True)
-    Composer(ps, dry, freqs_mhz).ask_all(all_methods(), journal_frontiers(
-        ps, journal, jid, backend.identity()))
-    return dry.missing
+def journal_frontiers(workload: Workload, backend: JournaledBackend) -> KeyFrontiers:
+    """Each partition's per-clock fronts from every setting the journal holds of it."""
+    return key_frontiers({k: backend.samples(k) for k in workload.keys})
 
 
-def journal_frontiers(ps: PartitionSet, journal: JournalLike, jid: str, identity: str
-                      ) -> dict[str, dict[int, list[Any]]]:
-    """Each partition's per-clock fronts from every setting ``journal`` holds of it."""
-    return key_frontiers({k: [(s.knobs, s.measurement)
-                              for s in journal.samples(jid, k, identity)]
-                          for k in ps.keys})
-
-
-def measure_composition(ps: PartitionSet, be: Backend, journal: JournalLike, jid: str,
-                        freqs: tuple[int, ...], record: bool,
+def measure_composition(workload: Workload, backend: JournaledBackend,
                         report: Callable[[int, int], None] | None = None
                         ) -> tuple[int, int]:
-    """Measure what `composition_needs` lists, journaling each number (``record``: this
-    rank writes); ``report(done, total)`` after each. Returns (needed, measured)."""
-    todo = len(composition_needs(ps, be, journal, jid, freqs))
-    done = 0
-
-    def tick(_need: Need) -> None:
-        nonlocal done
-        done += 1
-        if report is not None:
-            report(done, todo)
-
+    """Measure what composing every method needs and the journal lacks, one clock at a
+    time from the highest, journaling each number; ``report(done, total)`` after each.
+    Returns (lacking, measured)."""
+    composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
+    needs = composer.needs(all_methods(), journal_frontiers(workload, backend))
+    todo = sorted(backend.lacks(needs), key=lambda n: -n.knobs.freq_mhz)
+    before = backend.measured
     if report is not None:
-        report(0, todo)
-    real = JournaledBackend(be, journal, jid, record=record, on_measured=tick)
-    Composer(ps, real, freqs).ask_all(all_methods(), journal_frontiers(
-        ps, journal, jid, be.identity()))
-    return todo, real.measured
+        report(0, len(todo))
+    for i, need in enumerate(todo, 1):
+        composer.answer_all([need])
+        if report is not None:
+            report(i, len(todo))
+    return len(todo), backend.measured - before
+
+
+def composition_needs(workload: Workload, backend: JournaledBackend) -> list[Need]:
+    """What composing every method from the journal's partition measurements asks for and
+    the journal lacks (nothing is measured)."""
+    composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
+    return backend.lacks(composer.needs(all_methods(), journal_frontiers(workload, backend)))

@@ -20,15 +20,16 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from kareus.backends.agreed import AgreedBackend
-from kareus.backends.factory import BackendSpec, open_backend
+from kareus.backends.journaled import JournaledBackend
+from kareus.backends.registry import BackendSpec
 from kareus.core import Knobs, Measurement
 from kareus.errors import KareusError, SpecError
-from kareus.job.spec import JobSpec, validate_job
+from kareus.job.spec import JobSpec
 from kareus.ray_support import import_ray, ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.store import Journal, StoredSample
@@ -37,9 +38,10 @@ from kareus.workflows.profile import (
     COMPOSITION,
     ProfileProgress,
     ProfileResult,
+    check_profile,
     measure_composition,
 )
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 DIE_ENV = "KAREUS_TEST_RAY_DIE"
 """Test hook, read by the driver: ``KEY:RANK:N`` makes rank RANK of unit KEY exit after N
@@ -126,26 +128,24 @@ class RankActor:
     def run(self, address: tuple[str, int], journal: ProxyJournal, task: RankTask
             ) -> dict[str, Any] | None:
         """The unit's search (or the composition steps); rank 0 returns its result."""
-        job = validate_job(task.job)
+        workload = Workload.from_job_dict(task.job)  # once per rank, on its own machine
         with _rank_group(task, address) as group:
-            spec = replace(task.backend, gpu_index=group.local_rank, torch_device=group.device
-                           ) if task.backend.name in ("nvml", "fakegpu") else task.backend
+            spec = (task.backend.for_rank(group.local_rank, group.device)
+                    if task.backend.capabilities.process_per_gpu else task.backend)
             record = task.rank == 0
             journal.sink = task.sink if record else None
             report = journal.progress(task.key) if record else None
-            with open_backend(job, spec, group.collectives, group.agree) as raw:
-                be = AgreedBackend(raw, _agree(group, task.die_after))
-                # without clock changes the job's one clock (BackendSpec.check), as in
-                # kareus.workflows.profile: the nvml backend refuses while the GPU runs another
-                freqs = job.freqs_mhz
-                ps = PartitionSet.from_job(job)
+            with spec.open(workload, group.collectives, group.agree) as raw:
+                be = JournaledBackend(AgreedBackend(raw, _agree(group, task.die_after)),
+                                      journal, journal.jid, record=record)
+                # without clock changes the job's one clock (the spec's check), as in
+                # kareus.workflows.profile: the nvml backend refuses while the GPU runs
+                # another
                 if task.key == COMPOSITION:
-                    needed, measured = measure_composition(ps, be, journal, journal.jid,
-                                                           freqs, record, report)
+                    needed, measured = measure_composition(workload, be, report)
                     return {"needed": needed, "measured": measured} if record else None
-                result = run_search(ps[task.key], be, freqs, task.config, journal,
-                                    journal.jid, progress=report, record=record,
-                                    agree=group.agree)
+                result = run_search(workload[task.key], be, workload.job.freqs_mhz,
+                                    task.config, progress=report, agree=group.agree)
                 return result.to_dict() if record else None
 
 
@@ -157,7 +157,7 @@ def _rank_group(task: RankTask, address: tuple[str, int]) -> Iterator[Any]:
     from kareus.gpu.distributed import TorchrunGroup
     from kareus.gpu.nccl import NcclCollectives
 
-    gpu = task.backend.name == "nvml"
+    gpu = task.backend.capabilities.real_gpu
     gid = str(import_ray().get_gpu_ids()[0]) if gpu else ""  # a UUID: keep Ray's view
     if gid.isdigit():
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # before CUDA is initialised
@@ -190,7 +190,7 @@ def _agree(group: Any, die_after: int | None) -> Callable[[Measurement], Measure
     return agree
 
 
-def profile_ray(job: JobSpec, journal: str, backend: BackendSpec,
+def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                 config: SearchConfig | None = None, keys: Sequence[str] | None = None,
                 progress: ProfileProgress | None = None, composition: bool = True,
                 executor: ExecutorSpec | None = None, retries: int = 2,
@@ -200,25 +200,22 @@ def profile_ray(job: JobSpec, journal: str, backend: BackendSpec,
     the journal is written here only. A unit whose node dies is retried up to ``retries``
     times, reusing what it journaled before."""
     cfg = config or SearchConfig()
-    ps = PartitionSet.from_job(job)
-    keys = list(keys or ps.keys)
+    workload = Workload.of(job)
     if retries < 0:
         raise SpecError(f"--ray-retries must be >= 0, got {retries}")
     # the driver need not have a GPU: a real GPU is checked where it is opened, on a rank
-    (replace(backend, name="fakegpu") if backend.name == "nvml" else backend).check(job)
-    for k in keys:
-        cfg.check(ps[k].knob_space_size(len(job.freqs_mhz)), False)
+    keys = check_profile(workload, backend, cfg, keys, here=False)
     (ex := executor or ExecutorSpec("ray")).check()
-    one = backend.name not in ("nvml", "fakegpu")  # no GPU path: one rank a unit
+    one = not backend.capabilities.process_per_gpu  # one rank a unit
+    size_of = {k: 1 if one else workload[k].collective.group_size for k in workload.keys}
     with ray_session(ex.ray_address) as ray, Journal(journal) as store:
-        driver = _Driver(ray, store, job, backend, cfg, progress, retries,
+        driver = _Driver(ray, store, workload, backend, cfg, progress, retries,
                          placement_timeout_s)
         try:
-            docs = driver.run_all([_Unit(k, 1 if one else ps[k].collective.group_size)
-                                   for k in keys])
+            docs = driver.run_all([_Unit(k, size_of[k]) for k in keys])
             result = ProfileResult([SearchResult.from_dict(docs[k]) for k in keys])
             if composition:
-                size = 1 if one else max(ps[k].collective.group_size for k in ps.keys)
+                size = max(size_of.values())
                 doc = driver.run_all([_Unit(COMPOSITION, size)])[COMPOSITION]
                 result.composition_needed = int(doc["needed"])
                 result.composition_measured = int(doc["measured"])
@@ -243,16 +240,16 @@ class _Unit:
 class _Driver:
     """Starts units, journals what their ranks send, retries units that died."""
 
-    def __init__(self, ray: Any, store: Journal, job: JobSpec, backend: BackendSpec,
+    def __init__(self, ray: Any, store: Journal, workload: Workload, backend: BackendSpec,
                  config: SearchConfig, progress: ProfileProgress | None, retries: int,
                  placement_timeout_s: float) -> None:
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.ray, self.store, self.backend, self.config = ray, store, backend, config
-        self.job, self.jid = job.model_dump(mode="json"), store.register_job(job)
+        self.job, self.jid = workload.to_job_dict(), store.register_job(workload.job)
         self.progress, self.retries, self.timeout_s = progress, retries, placement_timeout_s
-        self.gpu = backend.name == "nvml"
+        self.gpu = backend.capabilities.real_gpu
         self.actor = ray.remote(RankActor)
         here = ray.get_runtime_context().get_node_id()  # the queue dies only with us
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":

@@ -9,7 +9,8 @@ noise-free emulator with that constant changed, and the methods the headline nee
 frontier merges) are recomposed; the metrics come from those frontiers. The nominal is
 recomposed the same way. What it does not capture: the search is not rerun under the
 perturbed emulator (it might have sampled other settings), and constants move one at a
-time (no interactions).
+time (no interactions). compare.md's section is rendered from what `run_sensitivity`
+returns by kareus.results.sensitivity_report.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kareus.job.spec import JobSpec
 from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, Method, all_methods, get_method
 from kareus.plans.metrics import method_metrics
 from kareus.search.loop import SearchResult
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 HEADLINE_METHOD = "kareus"
 
@@ -163,7 +164,7 @@ def recompose(job: JobSpec, knobs: Mapping[str, Sequence[Knobs]],
     values: dict[str, Any] = dict(overrides)  # every varied constant is a float field
     params = replace(default_params(job.gpu_spec), **values)
     backend = EmulatorBackend(job, params=params)
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     fronts = key_frontiers({k: [(kn, backend.predict(ps[k], kn)) for kn in v]
                             for k, v in knobs.items()})
     solved = method_frontiers(Composer(ps, backend, job.freqs_mhz),
@@ -330,66 +331,3 @@ class SensitivitySpec:
     def chosen(self, suite: Sequence[str]) -> list[str]:
         return list(suite) if self.presets is None else [p for p in suite
                                                          if p in self.presets]
-
-
-def _pp(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 100:.1f}"
-
-
-def range_note(section: Mapping[str, Any] | None, label: str | None, metric: str) -> str:
-    """' [min..max]' (percent) after a compare.md cell of preset ``label`` (None: the best
-    over the ranged presets); '' where there is no range."""
-    if not section:
-        return ""
-    where = section["best"] if label is None else section["presets"].get(label, {})
-    r = where.get("ranges", {}).get(metric)
-    if not r or r["min"] is None:
-        return ""
-    return f" [{_pp(r['min'])}..{_pp(r['max'])}]"
-
-
-def sensitivity_markdown(section: Mapping[str, Any], metrics: Sequence[str],
-                         heads: Sequence[str]) -> list[str]:
-    """compare.md's section: per preset the ranges, per constant its values, basis and
-    mean effect, and the constants skipped."""
-    cols = " | ".join(heads)
-    lines = ["## Sensitivity of the headline (Kareus)", "",
-             "Each emulator constant below at the low and at the high end of its plausible "
-             "range, one at a time; the nominal search's settings re-predicted and "
-             f"{', '.join(section['recomposed_methods'])} recomposed (the search is not "
-             "rerun; docs/emulator.md, \"Sensitivity of the headline\"). Cells: point "
-             "value, then [min / median / max] over the nominal and the perturbed runs, "
-             "percent.", "", f"| config | {cols} |", "|---|" + "---|" * len(heads)]
-    for label, p in section["presets"].items():
-        cells = [_cell(p["ranges"][k]) for k in metrics]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    if len(section["presets"]) > 1:
-        lines.append("| best of these | " + " | ".join(
-            _cell(section["best"]["ranges"][k]) for k in metrics) + " |")
-    lines += ["", "Change from the nominal, low end / high end, mean over the presets "
-              "(percentage points):", "", f"| constant | low .. high | {cols} |",
-              "|---|---|" + "---|" * len(heads)]
-    for c in section["constants"]:
-        span = "; ".join(f"{g}: {v['low']:.4g} .. {v['high']:.4g} (nominal {v['nominal']:.4g})"
-                         for g, v in c["values"].items())
-        lines.append(f"| `{c['name']}` | {span} | "
-                     + " | ".join(_mean_shift(section, c["name"], k) for k in metrics) + " |")
-    lines += ["", "Basis of each range:", ""]
-    lines += [f"- `{c['name']}`: {c['basis']}." for c in section["constants"]]
-    lines += [f"- `{s['name']}`: skipped ({s['reason']})." for s in section["skipped"]]
-    return [*lines, ""]
-
-
-def _cell(r: Mapping[str, Any]) -> str:
-    return f"{_pp(r['point'])} [{_pp(r['min'])} / {_pp(r['median'])} / {_pp(r['max'])}]"
-
-
-def _mean_shift(section: Mapping[str, Any], constant: str, metric: str) -> str:
-    shifts: dict[str, list[float]] = {"low": [], "high": []}
-    for p in section["presets"].values():
-        base = p["nominal"][metric]
-        for run in p["runs"]:
-            v = run["metrics"][metric]
-            if run["constant"] == constant and v is not None and base is not None:
-                shifts[run["side"]].append((v - base) * 100)
-    return " / ".join(f"{statistics.mean(v):+.2f}" if v else "n/a" for v in shifts.values())

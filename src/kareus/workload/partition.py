@@ -38,7 +38,6 @@ from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
 from kareus.workload.layer import backward_ops, forward_ops
-from kareus.workload.memory import check_fits
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
 
 
@@ -233,13 +232,6 @@ class PartitionSet:
         after them)."""
         layout = self.layouts[(stage, direction)]
         return layout.before, self.graph.stages[stage].num_layers, layout.after
-
-    @classmethod
-    def from_job(cls, job: JobSpec) -> PartitionSet:
-        """The job's partitions; a job that does not fit its GPUs' memory is refused."""
-        graph = ExecutionGraph.from_job(job)
-        check_fits(graph)
-        return build_partitions(graph)
 
     def __getitem__(self, key: str) -> Partition:
         try:

@@ -2,10 +2,10 @@ import pytest
 
 from kareus.backends.emulator import EmulatorBackend
 from kareus.job.sources import build_job
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 @pytest.fixture(scope="module")
 def k1():
     job = build_job("kareus-1")
-    return job, PartitionSet.from_job(job), EmulatorBackend(job)
+    return job, Workload.build(job).partitions, EmulatorBackend(job)

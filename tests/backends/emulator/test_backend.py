@@ -10,10 +10,10 @@ from kareus.core import Knobs
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
 from kareus.workload.layer import gemm
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 JOB = build_job("kareus-1")
-PS = PartitionSet.from_job(JOB)
+PS = Workload.build(JOB).partitions
 
 
 def test_emulator_satisfies_the_backend_protocol(k1):

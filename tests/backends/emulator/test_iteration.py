@@ -8,7 +8,7 @@ from kareus.job.sources import build_job
 from kareus.plans.execution import ExecutionPlan
 from kareus.plans.methods import baseline_plan
 from kareus.plans.schedule import one_f_one_b
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 
 def test_one_f_one_b_order():
@@ -81,7 +81,7 @@ def test_per_instruction_frequencies_are_applied(k1):
 @pytest.mark.parametrize("preset", ["kareus-2", "kareus-5"])
 def test_other_presets_simulate(preset):
     job = build_job(preset)
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     sim = IterationSimulator(ps, EmulatorBackend(job))
     for method in ("megatron", "nanobatch"):
         r = sim.run(baseline_plan(method, job))
@@ -91,9 +91,9 @@ def test_other_presets_simulate(preset):
 
 def test_dp_sync_counts_when_weights_are_replicated():
     job = build_job("kareus-1", overrides={"nodes": 4})
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     r = IterationSimulator(ps, EmulatorBackend(job)).run(baseline_plan("megatron", job))
     base = build_job("kareus-1")
-    r1 = IterationSimulator(PartitionSet.from_job(base), EmulatorBackend(base)).run(
+    r1 = IterationSimulator(Workload.build(base).partitions, EmulatorBackend(base)).run(
         baseline_plan("megatron", base))
     assert r.time_s > r1.time_s  # the gradient reduce-scatter and parameter all-gather

@@ -18,7 +18,7 @@ from kareus.job.sources import build_job
 from kareus.plans.execution import ExecutionPlan
 from kareus.workload.layer import gemm
 from kareus.workload.ops import Collective, ComputeOp
-from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 MiB = 2**20
 
@@ -123,7 +123,7 @@ def a40_profile_anchor(calibration=None) -> list[Anchor]:
     job = build_job(overrides=dict(model="llama3.2-3b", tp=1, pp=4, micro_batch_size=2,
                                    seq_length=2048, recompute=False, gpu="A40",
                                    gpus_per_node=4, nodes=1, num_microbatches=4))
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, "A40") else None)
     sim = IterationSimulator(ps, b)
     plan = ExecutionPlan("megatron", overlap=False, default_freq_mhz=1740)
@@ -214,7 +214,7 @@ def hopper_clock_anchor(calibration=None) -> list[Anchor]:
 
 def iteration_anchor(calibration=None) -> list[Anchor]:
     job = build_job("kareus-1")
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, job.gpu)
                         else None)
     r = IterationSimulator(ps, b).run(ExecutionPlan("megatron", False, 1410))

@@ -24,6 +24,7 @@ from kareus.core import Knobs, Measurement
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Op
 from kareus.workload.partition import Partition, PartitionSet
+from kareus.workload.workload import Workload
 
 CalibrationItem = tuple[str, str, tuple[Partition, Knobs] | Op]
 """(label, kind, what): a partition at a setting (kind "partition"), or one op."""
@@ -69,7 +70,7 @@ def calibration_set(ps: PartitionSet, freq_mhz: int) -> list[CalibrationItem]:
 
 def measure_and_compare(job: JobSpec, real_backend: Backend, freq_mhz: int,
                         emulator: EmulatorBackend | None = None) -> list[CalibrationRow]:
-    ps = PartitionSet.from_job(job)
+    ps = Workload.build(job).partitions
     emu = emulator or EmulatorBackend(job)
     rows = []
     for label, kind, what in calibration_set(ps, freq_mhz):

@@ -1,0 +1,125 @@
+"""How often the job climbs back up the layers on its way through one command.
+
+Follows the job through the calls of one in-process `kareus optimize` (or `profile`):
+every call of a Kareus function that receives the job or an object built from it (a
+JobSpec, Workload, PartitionSet or ExecutionGraph) as a parameter (not as ``self``: a
+method of those objects uses the job where it is) is a step of the route, at the layer of
+the function's module (the layers contract in pyproject.toml, top first). Consecutive steps
+in one layer are one stop. A climb is a stop in a higher layer than the stop before it:
+the route went down to derive something and came back up for the next thing. Also counts
+how often the route enters the partition module.
+
+    python benchmarks/route.py                     # this checkout
+    PYTHONPATH=/path/to/other/src python benchmarks/route.py   # another one, same job
+
+The job is small (kareus-1 at two clocks, four microbatches, 20 samples per partition,
+searches in this process) so that the trace takes a few seconds; the route's shape does
+not depend on the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+# The top-level layers, top first; a flat module of an older layout maps to its package.
+LAYERS = ["cli", "workflows", "results", "compose|search|runtime", "backends", "gpu|store",
+          "plans", "workload", "job", "ray_support", "core", "errors"]
+FLAT = {"compare": "workflows", "sensitivity": "workflows", "optimize": "workflows",
+        "perseus": "workflows", "profile_ray": "workflows", "profile": "workflows",
+        "executors": "workflows", "resultdir": "results", "report": "results",
+        "result": "results", "export": "plans", "metrics": "plans", "plan": "plans",
+        "methods": "plans", "execution": "plans", "schedule": "plans",
+        "partition": "workload", "memory": "workload", "sources": "job", "presets": "job",
+        "spec": "job", "hardware": "job", "atomic": "core", "jsonfile": "core",
+        "pareto": "core"}
+TRACKED = ("JobSpec", "Workload", "PartitionSet", "ExecutionGraph")
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "kareus" or len(parts) < 2:
+        return None
+    top = FLAT.get(parts[1], parts[1])
+    for i, row in enumerate(LAYERS):
+        if top in row.split("|"):
+            return i
+    return None
+
+
+def trace(argv: list[str]) -> tuple[list[int], int]:
+    from kareus.cli import main
+
+    steps: list[int] = []
+    partition_entries = 0
+
+    def hook(frame, event, _arg):  # type: ignore[no-untyped-def]
+        nonlocal partition_entries
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        layer = layer_of(module)
+        if layer is None:
+            return
+        code = frame.f_code
+        n = code.co_argcount + code.co_kwonlyargcount
+        # the job handed on as a parameter; a method of the job's own objects (``self``)
+        # uses it where it is, it does not carry it anywhere
+        args = (frame.f_locals.get(v) for v in code.co_varnames[:n]
+                if v not in ("self", "cls"))
+        if any(type(a).__name__ in TRACKED for a in args):
+            steps.append(layer)
+            caller = frame.f_back
+            if (module.endswith("partition") and caller is not None
+                    and caller.f_globals.get("__name__") != module):
+                partition_entries += 1
+
+    sys.setprofile(hook)
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+    finally:
+        sys.setprofile(None)
+    return steps, partition_entries
+
+
+def climbs(steps: list[int]) -> tuple[list[int], int]:
+    stops = [s for i, s in enumerate(steps) if i == 0 or s != steps[i - 1]]
+    return stops, sum(1 for a, b in itertools.pairwise(stops) if b < a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--command", default="optimize", choices=("optimize", "profile"))
+    args = ap.parse_args()
+    job = ["-p", "kareus-1", "--freqs", "1410,1200", "--microbatches", "4"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.command == "optimize":
+            argv = ["optimize", *job, "--budget", "20", "--workers", "1", "--out",
+                    str(Path(tmp) / "o"), "--json"]
+        else:
+            argv = ["profile", *job, "--backend", "emulator", "--budget", "20",
+                    "--journal", str(Path(tmp) / "j.sqlite"), "--json"]
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            steps, entries = trace(argv)
+    stops, n = climbs(steps)
+    import kareus
+
+    print(f"kareus at {Path(kareus.__file__).parent}")
+    print(f"{args.command}: {len(steps)} calls carry the job; {len(stops)} stops; "
+          f"{n} climbs back up a layer; the partition module entered {entries} times")
+    print("stops per layer: " + ", ".join(
+        f"{LAYERS[k]} {v}" for k, v in sorted(Counter(stops).items())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The emulator's kind: no GPU, deterministic for a seed, and a cost model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kareus.backends.base import Backend, CostModel, PlanSimulator
+from kareus.backends.registry import Agree, BackendSpec, Capabilities, CollectiveFactory
+from kareus.errors import SpecError
+from kareus.job.spec import JobSpec
+from kareus.workload.workload import Workload
+
+
+@dataclass(frozen=True)
+class EmulatorSpec(BackendSpec):
+    kind: ClassVar[str] = "emulator"
+    capabilities: ClassVar[Capabilities] = Capabilities(cost_model=True)
+    noise: float = 0.0
+    """Relative standard deviation of time and dynamic energy (0: exact)."""
+    calibration: str | None = None
+    """JSON file of fitted parameters (`kareus calibrate --backend nvml --out`)."""
+
+    def check(self, job: JobSpec, here: bool = True) -> None:
+        super().check(job, here)
+        if not 0 <= self.noise <= 0.5:
+            raise SpecError(f"noise must be between 0 and 0.5, got {self.noise}")
+        if self.calibration is not None:
+            from kareus.backends.emulator.params import load_params
+
+            load_params(job.gpu_spec, self.calibration)
+
+    def open(self, workload: Workload, collectives: CollectiveFactory | None = None,
+             agree: Agree | None = None) -> AbstractContextManager[Backend]:
+        return self._open(workload)
+
+    @contextmanager
+    def _open(self, workload: Workload) -> Iterator[Backend]:
+        from kareus.backends.emulator.backend import EmulatorBackend
+
+        yield EmulatorBackend(workload.job, calibration=self.calibration, noise=self.noise,
+                              seed=self.seed, protocol=self.protocol)
+
+    def cost_model(self, job: JobSpec) -> CostModel:
+        """The emulator with its nominal (or calibrated) constants, without noise."""
+        from kareus.backends.emulator.backend import EmulatorBackend
+
+        return EmulatorBackend(job, calibration=self.calibration)
+
+    def plan_simulator(self, workload: Workload) -> PlanSimulator:
+        """The emulator's whole-iteration simulation, noise-free."""
+        from kareus.backends.emulator.backend import EmulatorBackend
+        from kareus.backends.emulator.iteration import IterationSimulator
+
+        return IterationSimulator(workload.partitions,
+                                  EmulatorBackend(workload.job, calibration=self.calibration))

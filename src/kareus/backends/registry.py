@@ -1,0 +1,214 @@
+"""Backend kinds: one typed spec per kind, each validating its own options, in a registry.
+
+The rest of Kareus never compares a backend's name: it asks a spec what it can do
+(`Capabilities`) and lets it open its backend, its cost model and its plan simulator. A
+new backend is one module (a `BackendSpec` subclass with a ``kind`` and its
+``capabilities``, and the Backend it opens) plus one `register_backend` entry. Specs are
+plain data, so they cross process boundaries (search workers, Ray tasks) as dicts that
+carry their kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from kareus.backends.base import Backend, CostModel, PlanSimulator
+from kareus.core import MeasurementProtocol
+from kareus.errors import SpecError
+from kareus.job.spec import JobSpec
+from kareus.workload.ops import Collective
+from kareus.workload.workload import Workload
+
+CollectiveFactory = Callable[[Collective, int], Callable[[], object]]
+"""Real GPUs under torchrun or Ray: the group's NCCL collective of a size and SM count."""
+
+Agree = Callable[[Any], Any]
+"""Rank 0's value on every rank of a group profiled together."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend kind can do; the questions code asks instead of a name."""
+
+    real_gpu: bool = False
+    """Measures real GPUs: one GPU measures one thing at a time, in this process."""
+    process_per_gpu: bool = False
+    """A TP/CP group is measured by a process per GPU (torchrun or Ray actors)."""
+    profiles_first: bool = False
+    """`kareus optimize` profiles every number into the journal, then composes from it."""
+    cost_model: bool = False
+    """Offers a deterministic cost model: a search prior, and the ground truth of
+    validation by whole-iteration simulation."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Where measurements come from and how they are taken. Subclasses add their own
+    options and set ``kind`` and ``capabilities``."""
+
+    kind: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    seed: int = 0
+    """Seed of everything random this backend does (and of the search)."""
+    protocol: MeasurementProtocol | None = None
+    """How one measurement is taken (window, cooldown, settle); None: the default."""
+
+    # What a kind implements -------------------------------------------------------------
+
+    def check(self, job: JobSpec, here: bool = True) -> None:
+        """Everything that can be checked before any work starts; SpecError otherwise.
+        ``here=False``: the backend opens elsewhere (a Ray rank), skip what needs it."""
+        pr = self.protocol
+        if pr is not None and not (math.isfinite(pr.window_s + pr.cooldown_s + pr.settle_s)
+                                   and pr.window_s > 0 and pr.cooldown_s >= 0
+                                   and pr.settle_s >= 0):
+            raise SpecError(f"--window must be positive and --cooldown, --settle at least 0;"
+                            f" got {pr.window_s}, {pr.cooldown_s}, {pr.settle_s}")
+
+    def open(self, workload: Workload, collectives: CollectiveFactory | None = None,
+             agree: Agree | None = None) -> AbstractContextManager[Backend]:
+        """The backend, open for as long as the block runs (a real GPU's clocks are
+        guarded that long). ``collectives``/``agree``: a group profiled together."""
+        raise NotImplementedError
+
+    def cost_model(self, job: JobSpec) -> CostModel | None:
+        """A deterministic cost model of this kind, noise-free (None: it has none)."""
+        return None
+
+    def plan_simulator(self, workload: Workload) -> PlanSimulator | None:
+        """Whole-iteration simulation of a plan, for validation (None: none)."""
+        return None
+
+    def journal_source(self) -> tuple[str, str | None] | None:
+        """(journal, backend identity or None) when plans are to be composed from that
+        journal alone, with nothing searched or measured (``--measurements``)."""
+        return None
+
+    def for_rank(self, local_rank: int, device: str | None) -> BackendSpec:
+        """This spec as rank ``local_rank`` of a group opens it (its own GPU)."""
+        return self
+
+    # Plain data -------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+S = TypeVar("S", bound=type[BackendSpec])
+
+_KINDS: dict[str, type[BackendSpec]] = {}
+
+
+def register_backend(spec: S) -> S:
+    """Add a kind (usable as a class decorator); its ``kind`` names it on the CLI."""
+    if not spec.kind:
+        raise ValueError(f"{spec.__name__} has no kind")
+    _KINDS[spec.kind] = spec
+    return spec
+
+
+BUILTIN_KINDS = {
+    "emulator": "kareus.backends.emulator.spec:EmulatorSpec",
+    "nvml": "kareus.backends.nvml:NvmlSpec",
+    "replay": "kareus.backends.replay:ReplaySpec",
+    "fakegpu": "kareus.backends.nvml:FakeGpuSpec",
+}
+"""The kinds Kareus ships, by module path (imported when first asked for, as entry points
+are: each kind's module imports this one, and no backend imports another)."""
+
+
+def _builtin() -> dict[str, type[BackendSpec]]:
+    for kind, where in BUILTIN_KINDS.items():
+        if kind not in _KINDS:
+            module, _, cls = where.partition(":")
+            register_backend(getattr(importlib.import_module(module), cls))
+    return _KINDS
+
+
+def backend_kinds() -> tuple[str, ...]:
+    return tuple(_builtin())
+
+
+def backend_kind(name: str) -> type[BackendSpec]:
+    kinds = _builtin()
+    if name not in kinds:
+        raise SpecError(f"unknown backend {name!r}; available: {', '.join(kinds)}")
+    return kinds[name]
+
+
+def cost_model_kinds() -> tuple[str, ...]:
+    """Kinds that offer a cost model (a search prior, ``--fill-missing``)."""
+    return tuple(k for k, s in _builtin().items() if s.capabilities.cost_model)
+
+
+def spec_from_options(name: str, given: dict[str, Any]) -> BackendSpec:
+    """The kind ``name``'s spec from command-line options (``given``: those the user set,
+    by field name). An option another kind takes is refused in one line."""
+    spec = backend_kind(name)
+    fields = {f.name for f in dataclasses.fields(spec)}
+    foreign = sorted(k for k in given if k not in fields)
+    if foreign:
+        flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+        raise SpecError(f"{flags} does not apply to the {name} backend")
+    return spec(**given)
+
+
+def replay_spec(journal: str, identity: str | None = None, compose_only: bool = False
+                ) -> BackendSpec:
+    """Measurements from ``journal``; ``compose_only``: plans composed from it alone, no
+    search (``--measurements``)."""
+    given: dict[str, Any] = {"replay_journal": journal, "replay_identity": identity,
+                             "compose_only": compose_only}
+    return spec_from_options("replay", given)
+
+
+def spec_from_dict(doc: dict[str, Any]) -> BackendSpec:
+    """The inverse of `BackendSpec.to_dict`."""
+    d = dict(doc)
+    spec = backend_kind(str(d.pop("kind")))
+    if d.get("protocol") is not None:
+        d["protocol"] = MeasurementProtocol(**d["protocol"])
+    return spec(**d)
+
+
+def open_backend(workload: Workload, spec: BackendSpec | None = None,
+                 collectives: CollectiveFactory | None = None, agree: Agree | None = None
+                 ) -> AbstractContextManager[Backend]:
+    """``spec``'s backend (default: the emulator), as a context manager."""
+    return (spec or default_spec()).open(workload, collectives, agree)
+
+
+def default_spec() -> BackendSpec:
+    return backend_kind("emulator")()
+
+
+def prior_choices() -> tuple[str, ...]:
+    return ("none", *cost_model_kinds())
+
+
+def open_prior(name: str | None, job: JobSpec) -> CostModel | None:
+    """The search prior ``name`` ("none", or a kind with a cost model)."""
+    if name in (None, "none"):
+        return None
+    if name not in cost_model_kinds():
+        raise SpecError(f"unknown prior {name!r}; available: {', '.join(prior_choices())}")
+    return backend_kind(name)().cost_model(job)
+
+
+def check_prior(name: str | None) -> None:
+    if name not in (None, *prior_choices()):
+        raise SpecError(f"unknown prior {name!r}; available: {', '.join(prior_choices())}")
+
+
+def iter_kinds() -> Iterator[type[BackendSpec]]:
+    yield from _builtin().values()
