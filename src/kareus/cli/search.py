@@ -10,7 +10,7 @@ from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
-from kareus.errors import KareusError, SpecError
+from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
@@ -155,8 +155,6 @@ def profile(
     With --executor ray, each partition's group runs as Ray actors on one node of the
     cluster (partitions in parallel), and this process writes the journal.
     """
-    if strategy not in ("mbo", "exhaustive"):
-        raise SpecError(f"--strategy must be mbo or exhaustive, got {strategy!r}")
     workload = Workload.build(job)
     # the protocol (--window, --cooldown, --settle) is the backend's
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,

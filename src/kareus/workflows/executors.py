@@ -33,7 +33,7 @@ from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
 from kareus.ray_support import ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.store import Journal
+from kareus.store import Journal, job_id
 from kareus.workload.workload import Workload
 
 EXECUTORS = ("local", "ray")
@@ -97,6 +97,9 @@ class SearchTask:
     journal: str | None = None
     prior: str | None = None
     """"emulator": the nominal emulator's predictions inform the search."""
+    job_id: str = ""
+    """The job's id in the journal (`kareus.store.job_id`), computed and registered once
+    for all tasks (`make_tasks`); empty: the worker registers the job itself."""
 
     @property
     def runs_on_gpu(self) -> bool:
@@ -107,10 +110,25 @@ class SearchTask:
 def make_task(job: JobSpec | Workload, partition: str, config: SearchConfig,
               backend: BackendSpec | None = None, journal: str | None = None,
               prior: str | None = None) -> SearchTask:
+    """One partition's search as plain data (its worker registers the job)."""
     doc = job.to_job_dict() if isinstance(job, Workload) else job.model_dump(mode="json")
     return SearchTask(job=doc, partition=partition,
                       config=asdict(config), backend=(backend or default_spec()).to_dict(),
                       journal=journal, prior=prior)
+
+
+def make_tasks(workload: Workload, keys: Sequence[str], config: SearchConfig,
+               backend: BackendSpec, journal: str | None = None, prior: str | None = None
+               ) -> list[SearchTask]:
+    """Every partition of ``keys`` as a task; the job is serialised, named and registered
+    in ``journal`` (which must open) once, here, for all of them."""
+    jid = job_id(workload.job)
+    if journal is not None:
+        with Journal(journal) as j:
+            j.register_job(workload.job)
+    doc, cfg, spec = workload.to_job_dict(), asdict(config), backend.to_dict()
+    return [SearchTask(job=doc, partition=key, config=cfg, backend=spec, journal=journal,
+                       prior=prior, job_id=jid) for key in keys]
 
 
 def _config(doc: dict[str, Any]) -> SearchConfig:
@@ -126,7 +144,8 @@ def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = Non
     config = _config(task.config)
     with Journal(task.journal or ":memory:") as journal, \
             spec_from_dict(task.backend).open(wl) as backend:
-        measured = JournaledBackend(backend, journal, journal.register_job(wl.job))
+        jid = task.job_id or journal.register_job(wl.job)
+        measured = JournaledBackend(backend, journal, jid)
         return run_search(wl[task.partition], measured, wl.job.freqs_mhz, config, prior,
                           progress)
 
@@ -254,10 +273,8 @@ def prepare_search(workload: Workload, keys: Sequence[str] | None, config: Searc
         config.check(workload[key].knob_space_size(len(workload.job.freqs_mhz)), with_prior)
     backend.check(workload.job)
     executor.check()
-    if journal is not None:
-        Journal(journal).close()
-    return [make_task(workload, key, config, backend, journal,
-                      prior if with_prior else None) for key in chosen]
+    return make_tasks(workload, chosen, config, backend, journal,
+                      prior if with_prior else None)
 
 
 def search_partitions(workload: Workload, keys: Sequence[str] | None, config: SearchConfig,

@@ -42,7 +42,7 @@ from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
 from kareus.store import Journal, job_id
-from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_task, run_tasks
+from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_tasks, run_tasks
 from kareus.workflows.profile import check_profile, profile, torchrun_rank
 from kareus.workload.workload import Workload
 
@@ -117,8 +117,7 @@ class OptimizeRun:
         searches: list[SearchResult] = []
         if any(m.needs_search for m in self.methods):
             say(f"searching {len(wl.keys)} partitions")
-            tasks = [make_task(wl, key, self.config, self.backend, journal=str(rd.journal))
-                     for key in wl.keys]
+            tasks = make_tasks(wl, wl.keys, self.config, self.backend, str(rd.journal))
             searches = run_tasks(tasks, self.executor, progress, workload=wl)
         self.timings["search"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -80,16 +80,19 @@ def check_profile(workload: Workload, backend: BackendSpec, config: SearchConfig
 
 def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
             config: SearchConfig | None = None, keys: Sequence[str] | None = None,
-            progress: ProfileProgress | None = None, composition: bool = True
-            ) -> ProfileResult:
+            progress: ProfileProgress | None = None, composition: bool = True,
+            checked: bool = False) -> ProfileResult:
     """Profile the partitions ``keys`` (default: all) and, with ``composition``, every
-    number composing the job's iteration needs."""
+    number composing the job's iteration needs. ``checked``: the caller checked the
+    inputs already (`check_profile`)."""
     from kareus.gpu.distributed import torchrun_group  # torch only where a group runs
 
     cfg = config or SearchConfig()
-    workload = Workload.of(job)
+    workload = job if isinstance(job, Workload) else Workload.build(job)
     job = workload.job
-    parts = [workload[k] for k in check_profile(workload, backend, cfg, keys)]
+    chosen = list(keys or workload.keys) if checked else check_profile(workload, backend,
+                                                                         cfg, keys)
+    parts = [workload[k] for k in chosen]
     with torchrun_group() as group:
         several = group.world_size > 1
         for p in parts:

@@ -194,18 +194,22 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                 config: SearchConfig | None = None, keys: Sequence[str] | None = None,
                 progress: ProfileProgress | None = None, composition: bool = True,
                 executor: ExecutorSpec | None = None, retries: int = 2,
-                placement_timeout_s: float = 600.0) -> ProfileResult:
+                placement_timeout_s: float = 600.0, checked: bool = False) -> ProfileResult:
     """`kareus.workflows.profile.profile` with each partition's TP/CP group a unit of work on
     the Ray cluster at ``executor.ray_address`` (default: a local Ray), units in parallel;
     the journal is written here only. A unit whose node dies is retried up to ``retries``
-    times, reusing what it journaled before."""
+    times, reusing what it journaled before. ``checked``: the caller checked the inputs."""
     cfg = config or SearchConfig()
-    workload = Workload.of(job)
-    if retries < 0:
-        raise SpecError(f"--ray-retries must be >= 0, got {retries}")
-    # the driver need not have a GPU: a real GPU is checked where it is opened, on a rank
-    keys = check_profile(workload, backend, cfg, keys, here=False)
-    (ex := executor or ExecutorSpec("ray")).check()
+    workload = job if isinstance(job, Workload) else Workload.build(job)
+    ex = executor or ExecutorSpec("ray")
+    if checked:
+        keys = list(keys or workload.keys)
+    else:
+        if retries < 0:
+            raise SpecError(f"--ray-retries must be >= 0, got {retries}")
+        # the driver need not have a GPU: a real GPU is checked where it opens, on a rank
+        keys = check_profile(workload, backend, cfg, keys, here=False)
+        ex.check()
     one = not backend.capabilities.process_per_gpu  # one rank a unit
     size_of = {k: 1 if one else workload[k].collective.group_size for k in workload.keys}
     with ray_session(ex.ray_address) as ray, Journal(journal) as store:

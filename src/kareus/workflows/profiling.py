@@ -22,6 +22,9 @@ from kareus.workflows.profile import (
 from kareus.workflows.profile_ray import profile_ray
 from kareus.workload.workload import Workload
 
+PROFILE_STRATEGIES = ("mbo", "exhaustive")
+"""A profile searches by MBO, or measures every setting."""
+
 
 @dataclass
 class ProfileRun:
@@ -47,8 +50,9 @@ class ProfileRun:
         args = (self.workload, self.journal, self.backend, self.config, self.keys, progress,
                 self.composition)
         if self.executor is not None and self.executor.distributed:
-            return profile_ray(*args, executor=self.executor, retries=self.retries)
-        return profile(*args)
+            return profile_ray(*args, executor=self.executor, retries=self.retries,
+                               checked=True)
+        return profile(*args, checked=True)
 
 
 def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
@@ -58,6 +62,9 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     """`kareus profile`, checked before any work starts (and before any progress shows):
     the journal opens, the keys exist, the backend's and the search's settings hold (on
     Ray the GPU is checked where it opens, on a rank)."""
+    if config.strategy not in PROFILE_STRATEGIES:
+        raise SpecError(f"--strategy must be {' or '.join(PROFILE_STRATEGIES)}, got "
+                        f"{config.strategy!r}")
     if retries < 0:
         raise SpecError(f"--ray-retries must be >= 0, got {retries}")
     Journal(journal).close()

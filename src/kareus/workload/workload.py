@@ -34,13 +34,6 @@ class Workload:
         return cls(job, graph, tuple(stage_memory(graph)), build_partitions(graph))
 
     @classmethod
-    def of(cls, job_or_workload: JobSpec | Workload) -> Workload:
-        """A workload as given, or built from a job (library callers may pass either)."""
-        if isinstance(job_or_workload, Workload):
-            return job_or_workload
-        return cls.build(job_or_workload)
-
-    @classmethod
     def from_job_dict(cls, doc: Mapping[str, Any]) -> Workload:
         """The other side of a process boundary: the job as JSON, validated, built."""
         return cls.build(validate_job(dict(doc)))
