@@ -19,7 +19,7 @@ emulator``), is never journaled, and is listed in ``filled``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kareus.backends.base import Backend, JournalFirst, WrappedBackend, backend_info
 from kareus.backends.needs import Answer, Need, measure_need
@@ -31,9 +31,6 @@ from kareus.store import Journal, JournalLike
 from kareus.workload.ops import Op
 from kareus.workload.partition import Partition
 
-MeasuredHook = Callable[[Need], None]
-"""Called after each measurement this wrapper took (not found in the journal)."""
-
 
 class MissingMeasurement(KareusError):
     """The journal holds no measurement of what was asked, and nothing can measure it."""
@@ -43,14 +40,12 @@ class JournaledBackend(WrappedBackend):
     """``inner``'s measurements, through ``journal`` under job ``job_id``."""
 
     def __init__(self, inner: Backend, journal: JournalLike, job_id: str, *,
-                 record: bool = True, fill: Backend | None = None,
-                 on_measured: MeasuredHook | None = None) -> None:
+                 record: bool = True, fill: Backend | None = None) -> None:
         super().__init__(inner)
         self.journal = journal
         self.job_id = job_id
         self.record = record
         self.fill = fill
-        self.on_measured = on_measured
         self._identity = inner.identity()
         if self.record:
             journal.register_backend(self._identity, backend_info(inner))
@@ -58,8 +53,6 @@ class JournaledBackend(WrappedBackend):
         self._ops = journal.op_samples(job_id, self._identity)
         self.counts: Counter[str] = Counter()
         """Answers given, by origin ("journal", "measured", "filled")."""
-        self.measured_by_key: Counter[str] = Counter()
-        """Measurements taken, per partition key (runs of ops: their signature)."""
         self._filled: dict[Need, None] = {}
 
     @classmethod
@@ -82,10 +75,6 @@ class JournaledBackend(WrappedBackend):
         return self.answer(Need.of_ops(ops, freq_mhz, sms or self.default_sms)).measurement
 
     # Journal first ----------------------------------------------------------------------
-
-    def need_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None) -> Need:
-        """The need of a run of ops, with this backend's default SMs where none is given."""
-        return Need.of_ops(ops, freq_mhz, sms or self.default_sms)
 
     def holds(self, need: Need) -> bool:
         """The journal (this one, or a journal-first backend inside) answers ``need``."""
@@ -111,10 +100,6 @@ class JournaledBackend(WrappedBackend):
             got = Answer(measure_need(self.inner, need), "measured")
         if got.origin != "filled":
             self._store(need, got.measurement)
-        if got.origin == "measured":
-            self.measured_by_key[need.partition or need.ops_key or ""] += 1
-            if self.on_measured is not None:
-                self.on_measured(need)
         return self._count(got)
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -181,13 +181,6 @@ def spec_from_dict(doc: dict[str, Any]) -> BackendSpec:
     return spec(**d)
 
 
-def open_backend(workload: Workload, spec: BackendSpec | None = None,
-                 collectives: CollectiveFactory | None = None, agree: Agree | None = None
-                 ) -> AbstractContextManager[Backend]:
-    """``spec``'s backend (default: the emulator), as a context manager."""
-    return (spec or default_spec()).open(workload, collectives, agree)
-
-
 def default_spec() -> BackendSpec:
     return backend_kind("emulator")()
 
@@ -208,7 +201,3 @@ def open_prior(name: str | None, job: JobSpec) -> CostModel | None:
 def check_prior(name: str | None) -> None:
     if name not in (None, *prior_choices()):
         raise SpecError(f"unknown prior {name!r}; available: {', '.join(prior_choices())}")
-
-
-def iter_kinds() -> Iterator[type[BackendSpec]]:
-    yield from _builtin().values()

@@ -65,8 +65,6 @@ class Composer:
         do the pipeline transfers (a GPU profiled without clock changes has one clock)."""
         self._recipes: dict[str, dict[tuple[int, str], list[Recipe]]] = {}
         self._answers: dict[Need, Measurement] = {}
-        self.recipes_built = 0
-        """Methods whose recipes were written down (each once per composer)."""
 
     # What composing asks for -------------------------------------------------------------
 
@@ -117,7 +115,6 @@ class Composer:
                             recipes.append(self._sequential(stage, d, f))
                 out[(stage, d)] = recipes
         self._recipes[method.name] = out
-        self.recipes_built += 1
         return out
 
     def _default_overlap(self, stage: int, d: str, f: int) -> Whole:
