@@ -11,7 +11,9 @@ backward. Loss per step is printed by rank 0.
     python examples/train_tiny.py --plan P.json --clock-log DIR   # where clocks are logged
 
 The model is tiny (2 layers, hidden 64) and learns a fixed random batch, so the loss falls
-within a few steps.
+within a few steps. The controller's log (direction, microbatch, MHz per instruction) is
+one file per rank, written afresh by every run: in --clock-log DIR, or by default in a new
+temporary directory; the first line printed says where.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ try:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 except ImportError:
-    sys.stderr.write("train_tiny: this example needs PyTorch: pip install torch==2.13.0 "
-                     "(CPU) or pip install -e '.[gpu]'\n")
+    sys.stderr.write("train_tiny: this example needs PyTorch: pip install torch --index-url "
+                     "https://download.pytorch.org/whl/cpu (CPU), or pip install -e '.[gpu]' "
+                     "(CUDA)\n")
     sys.exit(2)
 
 from kareus.core import PartitionSetting
@@ -106,8 +109,9 @@ def worker(rank, world, port, args):
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         g = torch.Generator().manual_seed(123)
         data = torch.randint(0, VOCAB, (MICROBATCHES, MBS, SEQ + 1), generator=g).to(device)
-        log = os.path.join(args.clock_log or tempfile.gettempdir(),
-                           f"kareus-example-clocks-rank{rank}.log")
+        log = clock_log(args.clock_log, rank)
+        with open(log, "w"):  # this run's clocks only (the controller appends)
+            pass
         with FrequencyController(eplan, stage=0, dry_run=True, log_path=log) as clocks:
             for step in range(args.steps):
                 opt.zero_grad()
@@ -127,6 +131,11 @@ def worker(rank, world, port, args):
         dist.destroy_process_group()
 
 
+def clock_log(directory: str, rank: int | str) -> str:
+    """Rank ``rank``'s dry-run clock log in ``directory``."""
+    return os.path.join(directory, f"kareus-example-clocks-rank{rank}.log")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
@@ -136,8 +145,8 @@ def main() -> None:
     ap.add_argument("--plan", help="a Kareus plan file: use its partition settings")
     ap.add_argument("--clock-log", metavar="DIR",
                     help="directory of the dry-run frequency controller's logs (one per "
-                         "rank: direction, microbatch, MHz per instruction; default: the "
-                         "temporary directory)")
+                         "rank: direction, microbatch, MHz per instruction; each run "
+                         "rewrites them; default: a new temporary directory)")
     args = ap.parse_args()
     if args.plan:  # a bad plan file is one line here, not a traceback in every worker
         from kareus.core.jsonfile import read_json_object
@@ -149,6 +158,17 @@ def main() -> None:
         except KareusError as exc:
             sys.stderr.write(f"train_tiny: error: {exc}\n")
             sys.exit(2)
+    if args.clock_log:
+        try:
+            os.makedirs(args.clock_log, exist_ok=True)
+        except OSError as exc:
+            sys.stderr.write(f"train_tiny: error: --clock-log {args.clock_log}: "
+                             f"{exc.strerror}\n")
+            sys.exit(2)
+    else:
+        args.clock_log = tempfile.mkdtemp(prefix="kareus-example-clocks-")
+    print(f"clock log (dry run, one file per rank): {clock_log(args.clock_log, '<N>')}",
+          flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -206,3 +206,41 @@ def test_calibration_file_changes_the_emulator(cli, tmp_path):
     f.write_text('{"emulator_params": {"warp_drive": 1}}')
     r = cli("simulate", "-p", "kareus-1", "--calibration", str(f))
     assert r.code == 2 and "unknown parameter" in r.err
+
+
+def _has_nvidia_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount()) > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(_has_nvidia_gpu(), reason="this machine has an NVIDIA GPU")
+@pytest.mark.parametrize("clocks", [[], ["--allow-clock-changes"]])
+def test_profile_on_nvml_without_a_gpu_says_no_gpu_first(cli, tmp_path, clocks):
+    """No GPU: one line saying so and what to do, before the clock permission (the
+    preset's search over frequencies would otherwise ask for --allow-clock-changes)."""
+    journal = tmp_path / "j.sqlite"
+    r = cli("profile", "-p", "kareus-1", "--backend", "nvml", *clocks,
+            "--journal", str(journal))
+    assert r.code == 2
+    assert r.err.strip().splitlines() == [r.err.strip()]
+    assert "no NVIDIA GPU" in r.err or "NVML" in r.err
+    assert "--allow-clock-changes" not in r.err
+    assert "--backend fakegpu" in r.err
+    assert not journal.exists()
+
+
+def test_profile_on_fakegpu_without_torch_is_one_line_before_any_work(cli, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails
+    journal = tmp_path / "j.sqlite"
+    r = cli("profile", "-p", "kareus-1", "--backend", "fakegpu", "--freqs", "1410",
+            "--journal", str(journal))
+    assert r.code == 2
+    assert r.err.strip().splitlines() == [r.err.strip()]
+    assert "PyTorch" in r.err and "pip install -e '.[gpu]'" in r.err
+    assert r.out == "" and not journal.exists()

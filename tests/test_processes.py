@@ -1,5 +1,6 @@
 """Processes a command starts die with it: SIGKILL or SIGTERM of `kareus` leaves no worker
-behind (checked by session, not by name), and SIGTERM exits 143 with one line."""
+behind (checked by session, not by name), and SIGTERM exits 143 with one line. The
+helpers (`session_pids`, `gone_within`) serve tests/test_signals.py too."""
 
 import os
 import signal
@@ -14,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (Linux)")
 
 
-def _session(sid: int) -> list[int]:
+def session_pids(sid: int) -> list[int]:
     """Live processes of session ``sid`` (zombies excluded)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -44,24 +45,24 @@ def _start_search(journal: Path) -> subprocess.Popen:
                     break
         except sqlite3.DatabaseError:
             pass
-    assert len(_session(proc.pid)) >= 3, "the parent and its two workers are running"
+    assert len(session_pids(proc.pid)) >= 3, "the parent and its two workers are running"
     return proc
 
 
-def _gone_within(sid: int, seconds: float) -> bool:
+def gone_within(sid: int, seconds: float) -> bool:
     deadline = time.time() + seconds
     while time.time() < deadline:
-        if not _session(sid):
+        if not session_pids(sid):
             return True
         time.sleep(0.1)
-    return not _session(sid)
+    return not session_pids(sid)
 
 
 def test_sigkill_of_the_parent_leaves_no_worker(tmp_path):
     proc = _start_search(tmp_path / "j.sqlite")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert _gone_within(proc.pid, 2.0), _session(proc.pid)
+    assert gone_within(proc.pid, 2.0), session_pids(proc.pid)
     with sqlite3.connect(tmp_path / "j.sqlite") as c:
         assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
@@ -73,4 +74,4 @@ def test_sigterm_stops_the_workers_with_one_line(tmp_path):
     assert proc.returncode == 143
     assert err.strip().splitlines()[-1] == "kareus: terminated"
     assert len(err.strip().splitlines()) == 1, err
-    assert _gone_within(proc.pid, 2.0), _session(proc.pid)
+    assert gone_within(proc.pid, 2.0), session_pids(proc.pid)

@@ -68,3 +68,28 @@ def test_methods_by_display_name_alias_or_any_case():
     assert get_method("Perseus").name == "perseus"
     with pytest.raises(KareusError, match="unknown method"):
         get_method("zeus")
+
+
+def test_over_limit_says_how_much_of_the_rounding_slack_the_choice_uses():
+    from kareus.plans.plan import (
+        DEADLINE_TOLERANCE_S,
+        ENERGY_TOLERANCE_J,
+        over_limit,
+        rounding_slack,
+    )
+
+    front = [{"time_s": 3.6901, "energy_j": 15_122.7, "plan": "x"},
+             {"time_s": 4.2, "energy_j": 14_000.0, "plan": "y"}]
+    chosen = select(front, "energy-budget", 15_120.0)
+    assert chosen["plan"] == "x"  # 2.7 J over: within the slack
+    assert over_limit(chosen, "energy-budget", 15_120.0) == pytest.approx(2.7)
+    assert over_limit(chosen, "energy-budget", 15_200.0) == 0.0
+    chosen = select(front, "deadline", 3.690)
+    assert over_limit(chosen, "deadline", 3.690) == pytest.approx(0.0001)
+    assert over_limit(chosen, "max-throughput", None) is None
+    assert rounding_slack("deadline") == DEADLINE_TOLERANCE_S == 0.0005
+    assert rounding_slack("energy-budget") == ENERGY_TOLERANCE_J == 5.0
+    assert rounding_slack("min-energy") is None
+    for objective, value in (("deadline", 3.690), ("energy-budget", 15_120.0)):
+        point = select(front, objective, value)
+        assert over_limit(point, objective, value) <= rounding_slack(objective)

@@ -3,12 +3,15 @@
 import dataclasses
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
+from kareus.core.atomic import mark
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
-from kareus.results.resultdir import ResultDir
+from kareus.results.resultdir import MARKER, ResultDir
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
 from kareus.workflows.executors import ExecutorSpec
@@ -69,6 +72,7 @@ def test_a_crash_while_writing_leaves_the_old_result(first, monkeypatch, failing
     monkeypatch.undo()
     killed = rd.path.parent / f".{rd.path.name}.tmp-killed"  # what a SIGKILL leaves
     (killed / "plans").mkdir(parents=True)
+    mark(killed, MARKER)  # made by replace_dir, marked as it is made
     rd.prepare()  # the next run removes it
     assert not list(rd.path.parent.glob(f".{rd.path.name}.tmp-*"))
 
@@ -193,3 +197,102 @@ def test_an_error_after_progress_output_is_one_line(first, tmp_path):
     errors = [line for line in r.err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("kareus: error: journal ")
     assert "Traceback" not in r.err
+
+
+# Nothing of the user's is lost (issue 21) ------------------------------------------------
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}
+
+
+def test_a_directory_inside_a_result_is_refused(first):
+    rd, _result = first
+    for inside in (rd.plans_dir, rd.path / "mine", rd.plans_dir / "deeper"):
+        with pytest.raises(KareusError, match="inside the result directory"):
+            ResultDir(inside).check_writable(job_id(JOB))
+        r = run_cli("optimize", "-p", "kareus-1", "--out", str(inside), "--budget", "20")
+        assert r.code == 2 and "inside the result directory" in r.err, r.err
+        assert not inside.exists() or inside == rd.plans_dir
+
+
+@pytest.mark.parametrize("foreign", ["notes.txt", "data/x.csv", "plans/mine.json",
+                                     "plans/sub/x", "result.json.bak"])
+def test_files_kareus_did_not_write_are_refused_and_kept(first, foreign):
+    rd, result = first
+    path = rd.path / foreign
+    parts = Path(foreign).parts
+    made = next(rd.path.joinpath(*parts[:i]) for i in range(1, len(parts) + 1)
+                if not rd.path.joinpath(*parts[:i]).exists())  # what the test adds
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("mine")
+    try:
+        with pytest.raises(KareusError, match="did not write"):
+            rd.check_writable(job_id(JOB))
+        r = run_cli("optimize", "-p", "kareus-1", "--microbatches", "4", "--freqs",
+                    "1410,1200", "--budget", "20", "--out", str(rd.path))
+        assert r.code == 2 and "did not write" in r.err, r.err
+        # one that appears while the run searches stops the write and stays, as the result
+        with pytest.raises(KareusError, match="the result was not written"):
+            rd.write(dataclasses.replace(result, run_id="during"))
+        assert path.read_text() == "mine" and rd.read_result()["run_id"] == result.run_id
+    finally:
+        shutil.rmtree(made) if made.is_dir() else made.unlink()
+    assert _consistent(rd) == result.run_id
+    rd.check_writable(job_id(JOB))
+
+
+def test_only_kareus_s_own_leftovers_are_removed(first):
+    rd, _result = first
+    beside = rd.path.parent
+    theirs = beside / f".{rd.path.name}.tmp-users"  # named like one, not Kareus's
+    (theirs / "precious").mkdir(parents=True)
+    (theirs / "precious" / "file").write_text("mine")
+    linked = beside / f".{rd.path.name}.tmp-link"  # a link to a marked one: not followed
+    target = beside / "elsewhere"
+    target.mkdir()
+    mark(target, MARKER)
+    linked.symlink_to(target)
+    try:
+        rd.prepare()
+        assert (theirs / "precious" / "file").read_text() == "mine"
+        assert linked.is_symlink() and (target / MARKER).is_file()
+    finally:
+        for q in (theirs / "precious" / "file", theirs / "precious", theirs):
+            q.unlink() if q.is_file() else q.rmdir()
+        linked.unlink()
+        (target / MARKER).unlink()
+        target.rmdir()
+
+
+def test_a_symlinked_out_is_followed(first, tmp_path):
+    _rd, result = first
+    target = tmp_path / "disk" / "run"
+    target.mkdir(parents=True)
+    link = tmp_path / "run"
+    link.symlink_to(target)
+    via = ResultDir(link)
+    via.check_writable(job_id(JOB))
+    via.prepare()
+    via.write(result)
+    via.write(dataclasses.replace(result, run_id="again"))  # the target is swapped
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert ResultDir(target).read_result()["run_id"] == "again" == _consistent(via)
+    assert (target / MARKER).is_file()
+    assert not list(tmp_path.rglob(".*.tmp-*"))  # no leftover beside the link or the target
+    with via.lock(job_id(JOB)):
+        assert ResultDir(target).lock_file.is_file()  # the lock is the target's
+
+
+def test_the_result_owns_its_timelines_lock_and_marker(first, tmp_path):
+    rd, _result = first
+    for own in (rd.timeline("max-throughput"), rd.timeline("min-energy"), rd.lock_file,
+                rd.path / MARKER, rd.journal, rd.result_file, rd.plans_dir / "x.json"):
+        assert rd.owns(own), own
+    assert not rd.owns(rd.path / "notes.txt") and not rd.owns(tmp_path / "t.png")
+    pid = sorted(rd.plan_ids())[0]
+    png = rd.timeline("min-energy")
+    before = png.read_bytes()
+    r = run_cli("plan", "show", "--result", str(rd.path), "--plan", pid, "--png", str(png))
+    assert r.code == 2 and png.read_bytes() == before

@@ -103,3 +103,13 @@ def test_the_search_keeps_no_journal_and_sees_only_protocols():
             found += [f"{path.name}: {n}" for n in names
                       if n == "kareus.store" or n.startswith("kareus.store.")]
     assert not found
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-0.1"])
+def test_a_tolerance_that_is_no_number_is_refused_before_any_work(value, tmp_path):
+    from tests.conftest import run_cli
+
+    r = run_cli("optimize", "-p", "kareus-1", "--tolerance", value, "--out",
+                str(tmp_path / "o"))
+    assert r.code == 2 and "--tolerance must be a finite number" in r.err
+    assert len(r.err.strip().splitlines()) == 1

@@ -109,6 +109,20 @@ def test_bad_options_fail_in_one_line(tmp_path, args, message):
     assert r.code == 2 and r.err.count("\n") == 1 and message in r.err, r.err
 
 
+@pytest.mark.parametrize("pp, microbatches, bound", [(2, 257, 256), (8, 65, 64)])
+def test_too_many_microbatches_fail_in_one_line(tmp_path, pp, microbatches, bound):
+    """At most 1024 pipeline instructions (stages x microbatches x 2), checked before
+    anything is solved (tests/test_signals.py: a million, in a process)."""
+    src = _write(tmp_path / "p.csv", _rows(pp=pp))
+    r = run_cli("import-perseus", str(src), "--out", str(tmp_path / "out"), "--microbatches",
+                str(microbatches), "--static-power-w", "50", "--json")
+    assert r.code == 2 and r.err.count("\n") == 1, r.err
+    assert (f"--microbatches {microbatches} is too many: {pp} stages x {microbatches} "
+            f"microbatches x 2 is {2 * pp * microbatches} pipeline instructions") in r.err
+    assert f"at most {bound} microbatches for {pp} stages; docs/perseus.md" in r.err
+    assert not (tmp_path / "out").exists()
+
+
 def test_clocks_are_checked_against_the_gpu(tmp_path):
     src = _write(tmp_path / "p.csv", [r.replace(",1005,", ",1000,") for r in _rows()])
     r = _import(tmp_path, src, "--gpu", "a100")
@@ -202,6 +216,7 @@ def test_table_and_zeus_loader(tmp_path):
                 "--microbatches", "4", "--gpu", "A100")
     assert r.code == 0, r.err
     assert "fastest" in r.out and "least energy" in r.out and "P2P transfers 0 s" in r.out
+    assert "solving the 1F1B frontier of 2 stages x 4 microbatches" in r.err
     pytest.importorskip("aiofiles")
     scheduler = pytest.importorskip("zeus.optimizer.pipeline_frequency.server.scheduler")
     common = pytest.importorskip("zeus.optimizer.pipeline_frequency.common")

@@ -26,7 +26,7 @@ from typing import ClassVar
 from kareus.backends.base import Backend
 from kareus.backends.registry import Agree, BackendSpec, Capabilities
 from kareus.core import Knobs, Measurement, MeasurementProtocol
-from kareus.errors import SpecError
+from kareus.errors import KareusError, SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import GPUDevice
 from kareus.gpu.kernels import (
@@ -237,12 +237,23 @@ class NvmlSpec(BackendSpec):
         super().check(job, here)
         if self.gpu_index < 0:
             raise SpecError(f"--gpu-index must be >= 0, got {self.gpu_index}")
+        if here:
+            # no GPU, no NVML, no Zeus, no PyTorch: say so before any work starts, and
+            # before asking for permissions that would not help
+            self._check_device(job)
+            import_torch()
         if len(job.freqs_mhz) > 1 and not self.allow_clock_changes:
             raise SpecError("a search over frequencies on a real GPU needs "
                             "--allow-clock-changes; without it, pass --freqs with the one "
                             "clock the GPU runs at")
-        if here:
-            self._device(job)  # no GPU, no Zeus: fail before any work starts
+
+    def _check_device(self, job: JobSpec) -> None:
+        try:
+            self._device(job)
+        except KareusError as exc:
+            raise SpecError(f"{exc}; --backend {self.kind} needs an NVIDIA GPU with its "
+                            f"driver: without one, --backend fakegpu runs the same path on "
+                            f"the CPU (docs/gpu.md)") from None
 
     def open(self, workload: Workload, collectives: CollectiveFactory | None = None,
              agree: Agree | None = None) -> AbstractContextManager[Backend]:

@@ -37,10 +37,24 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+class _Interrupted:
+    """Whether Ctrl-C (SIGINT) arrived: Typer 0.2x turns the KeyboardInterrupt into exit
+    code 130, returned like any other, before `main` sees it."""
+
+    seen = False
+
+    @classmethod
+    def on_sigint(cls, signum: int, frame: Any) -> None:
+        cls.seen = True
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: user errors become one line on stderr and exit status 2; Ctrl-C and
-    SIGTERM stop every worker and exit 130 and 143."""
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    SIGTERM stop every worker and exit 130 and 143, with one line."""
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _on_sigterm),
+                signal.SIGINT: signal.signal(signal.SIGINT, _Interrupted.on_sigint)}
+    _Interrupted.seen = False
     try:
         rv: Any = app(args=argv, prog_name="kareus", standalone_mode=False)
     except KareusError as exc:
@@ -50,14 +64,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     except _USAGE_ERRORS as exc:
         _fail(exc.format_message())
     except (typer.Abort, KeyboardInterrupt):
-        sys.stderr.write("kareus: interrupted\n")
-        sys.exit(130)
+        _interrupted()
     except Terminated:
         sys.stderr.write("kareus: terminated\n")
         sys.exit(143)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python, cannot be put back
+                signal.signal(sig, handler)
+    if rv == 130 and _Interrupted.seen:
+        _interrupted()
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _interrupted() -> NoReturn:
+    sys.stderr.write("kareus: interrupted\n")
+    sys.exit(130)
 
 
 def _usage_error_types() -> tuple[type[Exception], ...]:

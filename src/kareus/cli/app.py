@@ -1,5 +1,6 @@
 """The `kareus` Typer application and what every command module shares."""
 
+import inspect
 import json
 import sys
 from typing import Annotated, Any
@@ -7,10 +8,48 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from kareus.core import Measurement
 
+
+def flowed(doc: str) -> str:
+    """A docstring as help text: the line breaks of the source inside a paragraph become
+    spaces, so that the terminal wraps each paragraph (Typer's rich help prints every
+    paragraph but the first with its source line breaks, and command lists the first with
+    them). Lines starting with "- " stay list items; a paragraph starting with "\\b" is
+    kept as written (click's no-rewrap marker)."""
+    paras = []
+    for para in inspect.cleandoc(doc).split("\n\n"):
+        if para.startswith("\b"):
+            paras.append(para)
+            continue
+        lines: list[str] = []
+        for line in para.splitlines():
+            if lines and not line.startswith("- "):
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line.strip())
+        paras.append("\n".join(lines))
+    return "\n\n".join(paras)
+
+
+class FlowedHelpGroup(TyperGroup):
+    """The root group: its help and every command's and group's below it flowed
+    (`flowed`), so that paragraphs wrap at the terminal's width, not at the source's."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        stack: list[Any] = [self]
+        while stack:
+            cmd = stack.pop()
+            if cmd.help:
+                cmd.help = flowed(cmd.help)
+            stack += getattr(cmd, "commands", {}).values()
+
+
 app = typer.Typer(
+    cls=FlowedHelpGroup,
     name="kareus",
     help="Plan SM clocks, communication SMs and launch slots for energy-efficient training.",
     add_completion=False,
@@ -52,4 +91,5 @@ def measurement_row(m: Measurement) -> list[str]:
 
 
 def pct(x: float | None) -> str:
-    return "" if x is None else f"{x * 100:.1f}%"
+    """A fraction as a percentage; "n/a" where there is none (as report.md)."""
+    return "n/a" if x is None else f"{x * 100:.1f}%"

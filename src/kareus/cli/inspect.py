@@ -37,15 +37,15 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
         return
     nfreq = len(job.freqs_mhz)
     table = make_table(f"Partitions of {job.describe()}",
-                       ("key", "dir", "collective", "MiB", "slots", "SMs", "per stage",
+                       ("key", "direction", "collective", "MiB", "slots", "SMs", "per stage",
                         "settings", "GFLOP"),
-                       left=("key", "dir", "collective", "slots", "SMs", "per stage"))
+                       left=("key", "direction", "collective", "slots", "SMs", "per stage"))
     for p in ps.partitions.values():
         c = p.collective
         sms = p.sm_choices
         table.add_row(
             p.key,
-            p.direction[:3],
+            p.direction,
             f"{c.kind} ({c.group}{c.group_size})",
             _mib(c.bytes_),
             " ".join(s.name for s in p.slots) + " none",

@@ -10,7 +10,7 @@ from kareus.cli.app import JsonFlag, app, console, pct, print_json, stderr_conso
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.job.spec import JobSpec
-from kareus.plans.methods import display_name
+from kareus.plans.methods import ISO_REFERENCE, display_name
 from kareus.results.result import OptimizeResult
 from kareus.search.loop import SearchConfig
 from kareus.workflows.compare import run_suite
@@ -64,9 +64,10 @@ def optimize(
 
 
 def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
+    ref = display_name(ISO_REFERENCE)
     t = table(f"Frontiers of {job.describe()}",
-              ("method", "plans", "fastest s", "its kJ", "least kJ", "its s", "iso-time E",
-               "iso-energy T"), left=("method",))
+              ("method", "plans", "fastest s", "its kJ", "least kJ", "its s",
+               f"iso-time E vs {ref}", f"iso-energy T vs {ref}"), left=("method",))
     for method, plans in result.plans.items():
         fast = min(plans, key=lambda p: p.time_s)
         low = min(plans, key=lambda p: p.energy_j)
@@ -76,6 +77,9 @@ def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
                   f"{low.time_s:.3f}", pct(m.get("iso_time_energy_reduction")),
                   pct(m.get("iso_energy_time_reduction")))
     console.print(t)
+    console.print(f"iso-time E: energy saved at the time of {ref}'s fastest plan; iso-energy "
+                  f"T: time saved at the energy of {ref}'s least-energy plan; n/a: no plan of "
+                  f"the method is that fast (that frugal), or the method is {ref}.")
     if result.sources is not None:
         filled = result.sources["filled"]
         console.print(f"composed from {result.sources['measurements']} "
@@ -94,7 +98,8 @@ def compare(
     out: Annotated[str, typer.Option("--out", help="Directory for the comparison.")],
     suite: Annotated[str, typer.Option("--suite", help="kareus: the ten paper workloads.")
                      ] = "kareus",
-    budget: Annotated[int, typer.Option("--budget")] = 100,
+    budget: Annotated[int, typer.Option(
+        "--budget", help="Search samples per partition, per preset.")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="Seed of everything random.")] = 0,
     noise: Annotated[float, typer.Option(
         "--noise", help="Emulator measurement noise: relative std of time and dynamic "

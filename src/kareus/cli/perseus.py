@@ -4,7 +4,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kareus.cli.app import JsonFlag, app, console, print_json, table
+from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.workflows.perseus import import_perseus as run_import
 
 MAX_ROWS = 15
@@ -17,7 +17,8 @@ def import_perseus(
              "or its JSON list).", metavar="FILE")],
     out: Annotated[str, typer.Option("--out", help="Directory for the plans.")],
     microbatches: Annotated[int, typer.Option(
-        "--microbatches", help="Microbatches per iteration (1F1B).")],
+        "--microbatches", help="Microbatches per iteration (1F1B); at most 1024 pipeline "
+                               "instructions (stages x microbatches x 2).")],
     static_power_w: Annotated[Optional[float], typer.Option(
         "--static-power-w", help="Static power per GPU in W, subtracted from each "
                                  "instruction's energy (wins over --gpu).")] = None,
@@ -34,7 +35,9 @@ def import_perseus(
     """Solve the 1F1B time-energy frontier of a Perseus (Zeus pipeline frequency
     optimizer) profile; write DIR/summary.json, DIR/plans/*.json and DIR/zeus/*.py (Zeus
     PointSolution schedules)."""
-    summary = run_import(profile, out, microbatches, static_power_w, gpu, p2p_time_s, force)
+    say = None if json_out else (lambda msg: stderr_console().log(msg))
+    summary = run_import(profile, out, microbatches, static_power_w, gpu, p2p_time_s, force,
+                         say)
     if json_out:
         print_json({**summary, "out": out})
         return

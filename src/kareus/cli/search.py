@@ -152,6 +152,7 @@ def profile(
     group; every rank runs the kernels and the NCCL collective, rank 0 writes the journal.
     Without --allow-clock-changes no clock is touched: pass --freqs with the one clock the
     GPU runs at (a measurement at another is refused).
+
     With --executor ray, each partition's group runs as Ray actors on one node of the
     cluster (partitions in parallel), and this process writes the journal.
     """

@@ -148,11 +148,25 @@ def _phillips_dessouky(options: dict[tuple[int, str], list[InstructionOption]],
     try:
         for _ in PhillipsDessouky(dag, attr_name="op").run():
             yield {iid: int(op.assigned_knob) for iid, op in ops.items()}
-    except BaseException as exc:  # lowtime's Rust core raises PanicException(BaseException)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+    except Exception as exc:
+        raise _solver_failed(exc) from None
+    except BaseException as exc:
+        # lowtime's Rust core panics as pyo3_runtime.PanicException, a BaseException; any
+        # other (Ctrl-C, SIGTERM's kareus.cli.Terminated, SystemExit, GeneratorExit) goes on
+        if not is_rust_panic(exc):
             raise
-        raise KareusError(f"the pipeline solver (lowtime) failed: {type(exc).__name__}: "
-                          f"{exc}") from None
+        raise _solver_failed(exc) from None
+
+
+def is_rust_panic(exc: BaseException) -> bool:
+    """A Rust panic surfaced by PyO3 (``pyo3_runtime.PanicException``, which is not an
+    `Exception` and cannot be imported: it is recognised by its module and name)."""
+    return any(c.__module__ == "pyo3_runtime" and c.__name__ == "PanicException"
+               for c in type(exc).__mro__)
+
+
+def _solver_failed(exc: BaseException) -> KareusError:
+    return KareusError(f"the pipeline solver (lowtime) failed: {type(exc).__name__}: {exc}")
 
 
 def _spec_builder(unit: float) -> Callable[[list[tuple[float, float]]], Any]:

@@ -38,12 +38,19 @@ class Kernel:
     """Shapes of the kernel's main inputs (GEMMs: each (m, k) x (k, n))."""
 
 
+TORCH_MISSING = (
+    "real kernels need PyTorch: from a clone, pip install -e '.[gpu]' (a CUDA build); "
+    "for the CPU first pip install torch --index-url https://download.pytorch.org/whl/cpu "
+    "(docs/gpu.md)")
+"""The one line a missing PyTorch gives (`import_torch`)."""
+
+
 def import_torch() -> ModuleType:
     """PyTorch, or a one-line error saying how to install it."""
     try:
         import torch
     except ImportError:
-        raise KareusError("real kernels need PyTorch: pip install 'kareus[gpu]'") from None
+        raise KareusError(TORCH_MISSING) from None
     return torch
 
 

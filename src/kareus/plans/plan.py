@@ -18,9 +18,14 @@ OBJECTIVES = ("max-throughput", "min-energy", "deadline", "energy-budget")
 
 DEADLINE_TOLERANCE_S = 0.0005
 """Tables print iteration times with 3 decimals: a deadline typed from them (3.690 for
-3.6901 s) still selects that plan."""
+3.6901 s) still selects that plan. The rounding slack of a deadline: a plan up to 0.5 ms
+over it qualifies."""
 ENERGY_TOLERANCE_J = 5.0
-"""Tables print energies in kJ with 2 decimals (half a step: 5 J)."""
+"""Tables print energies in kJ with 2 decimals (half a step: 5 J). The rounding slack of an
+energy budget: a plan up to 5 J over it qualifies."""
+
+_LIMITED = {"deadline": ("time_s", DEADLINE_TOLERANCE_S),
+            "energy-budget": ("energy_j", ENERGY_TOLERANCE_J)}
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,9 @@ def select(frontier: list[dict], objective: str, value: float | None = None) -> 
 
     max-throughput: the fastest; min-energy: the least energy; deadline: the least energy
     among plans no slower than ``value`` seconds; energy-budget: the fastest among plans
-    using at most ``value`` joules. Raises KareusError stating the feasible range.
+    using at most ``value`` joules. A limit has a rounding slack (DEADLINE_TOLERANCE_S,
+    ENERGY_TOLERANCE_J; over_limit says how much of it the chosen plan uses). Raises
+    KareusError stating the feasible range.
     """
     if not frontier:
         raise KareusError("the frontier is empty")
@@ -135,3 +142,18 @@ def objective_of(max_throughput: bool = False, min_energy: bool = False,
                           "--energy-budget")
     objective = chosen[0]
     return objective, deadline_s if objective == "deadline" else energy_budget_j
+
+
+def rounding_slack(objective: str) -> float | None:
+    """How far over its limit a plan may be and still meet ``objective`` (seconds for a
+    deadline, joules for an energy budget; None for an objective without a limit)."""
+    return _LIMITED[objective][1] if objective in _LIMITED else None
+
+
+def over_limit(point: dict, objective: str, value: float | None) -> float | None:
+    """How far the chosen ``point`` exceeds the exact limit ``value`` of ``objective``
+    (0.0 when it meets it; at most rounding_slack(objective) for a point select chose), in
+    seconds or joules; None for an objective without a limit."""
+    if objective not in _LIMITED or value is None:
+        return None
+    return max(0.0, float(point[_LIMITED[objective][0]]) - value)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kareus.plans.methods import all_methods, display_name
+from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, all_methods, display_name
 from kareus.plans.plan import Plan
 from kareus.results.result import OptimizeResult
 
@@ -52,8 +54,9 @@ def _pct(x: float | None) -> str:
 
 
 def metrics_table(metrics: dict[str, dict[str, float | None]]) -> list[str]:
-    lines = ["| method | iso-time energy reduction vs Perseus | iso-energy time reduction vs "
-             "Perseus | max-throughput time vs Megatron | max-throughput energy vs Megatron |",
+    ref, base = display_name(ISO_REFERENCE), display_name(THROUGHPUT_BASELINE)
+    lines = [f"| method | iso-time energy reduction vs {ref} | iso-energy time reduction vs "
+             f"{ref} | max-throughput time vs {base} | max-throughput energy vs {base} |",
              "|---|---|---|---|---|"]
     for method, m in metrics.items():
         lines.append(
@@ -69,12 +72,12 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
     lines = [f"# Kareus plans for {job.describe()}", "", headline(result), "",
              *_sources_lines(result.sources), "## What was searched", "",
              "| partition | samples | measured this run | reused | frontier | stopped | "
-             "profiling (GPU-h) |", "|---|---|---|---|---|---|---|"]
+             "est. GPU profiling (GPU-h) |", "|---|---|---|---|---|---|---|"]
     for s in result.searches:
         lines.append(f"| {s.partition} | {len(s.samples)} | {s.measured_this_run} | "
                      f"{s.reused_from_journal} | {len(s.frontier)} | {s.stopped} | "
                      f"{s.profiling_cost_s / 3600:.2f} |")
-    lines += ["", "## Frontiers", "", "![frontiers](frontier.png)", "",
+    lines += ["", PROFILING_NOTE, "", "## Frontiers", "", "![frontiers](frontier.png)", "",
               "| method | plans | fastest (s, kJ) | least energy (s, kJ) |", "|---|---|---|---|"]
     for method, plans in result.plans.items():
         fast = min(plans, key=lambda p: p.time_s)
@@ -91,14 +94,22 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
     if seq:
         lines += [f"{len(seq)} Kareus plans run some instructions without overlap "
                   f"(Megatron-style), where overlap did not pay.", ""]
+    where = shlex.quote(str(out))
     lines += ["## Applying a plan", "",
-              f"    kareus plan --result {out} --deadline SECONDS",
-              f"    kareus plan --result {out} --energy-budget JOULES",
-              f"    kareus plan --result {out} --max-throughput --json",
+              f"    kareus plan --result {where} --deadline SECONDS",
+              f"    kareus plan --result {where} --energy-budget JOULES",
+              f"    kareus plan --result {where} --max-throughput --json",
               "",
               "Each plan file in `plans/` holds the clock of every pipeline instruction and "
               "the collective SMs and launch slot of every partition.", ""]
     return "\n".join(lines)
+
+
+PROFILING_NOTE = (
+    "*est. GPU profiling*: what measuring this run's new settings costs on a real GPU "
+    "under the measurement protocol (its window and cooldown per setting, plus its settle "
+    "time after each clock change): an estimate from the settings measured, not the time "
+    "this run took (an emulator run uses no GPU).")
 
 
 def _sources_lines(sources: dict[str, Any] | None) -> list[str]:
@@ -143,9 +154,13 @@ def _validation_line(error: float | None) -> str:
             f"composed and simulated time or energy is {error * 100:.2f}%; per method:")
 
 
-def timeline_figure(plan: Plan, path: Path, title: str) -> None:
+def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int] = ()
+                    ) -> None:
     """The plan's 1F1B timeline: one row per stage, instructions coloured by clock (F/B and
-    the microbatch written on wide bars), transfers grey, critical instructions outlined."""
+    the microbatch written on wide bars), transfers grey, critical instructions outlined;
+    cropped to what is drawn. The colour scale spans ``clocks_mhz`` (the job's clocks:
+    every timeline of a job on one scale) and the plan's own clocks; a PNG's Description
+    metadata states it ("SM clock scale: LO..HI MHz")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,10 +170,11 @@ def timeline_figure(plan: Plan, path: Path, title: str) -> None:
 
     entries = plan.timeline
     stages = 1 + max((e.stage for e in entries), default=0)
-    clocks = [e.freq_mhz for e in entries if e.kind != "send"] or [0]
-    norm = Normalize(min(clocks) - 1, max(clocks) + 1)
+    clocks = [*clocks_mhz, *(e.freq_mhz for e in entries if e.kind != "send")] or [0]
+    lo, hi = min(clocks), max(clocks)
+    norm = Normalize(lo, hi) if lo < hi else Normalize(lo - 1, hi + 1)
     cmap = colormaps["viridis"]
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * stages), dpi=120)
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * stages), dpi=120, layout="constrained")
     end = max((e.start_s + e.time_s for e in entries), default=1.0)
     for e in entries:
         y = stages - 1 - e.stage
@@ -173,16 +189,21 @@ def timeline_figure(plan: Plan, path: Path, title: str) -> None:
             ax.text(e.start_s + e.time_s / 2, y, f"{e.kind[0].upper()}{e.microbatch}",
                     ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(stages), [f"stage {stages - 1 - i}" for i in range(stages)])
+    ax.set_ylim(-0.5, stages - 0.5)
+    ax.set_xlim(0, end * 1.005)
     ax.set_xlabel("time (s)")
     ax.set_title(f"{plan.id}: {plan.time_s:.3f} s, {plan.energy_j / 1e3:.2f} kJ\n{title}",
                  fontsize=9)
-    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01)
+    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01,
+                       aspect=8 + 4 * stages)
     bar.set_label("SM clock (MHz)")
-    ax.annotate("outlined: critical path; grey: stage-to-stage transfers",
-                xy=(0.0, -0.45 if stages < 3 else -0.25), xycoords="axes fraction",
-                fontsize=7, color="#555555")
-    fig.tight_layout()
-    fig.savefig(path)
+    # on the x label's line, left: no row of its own
+    ax.annotate("outlined: critical path; grey: stage-to-stage transfers", xy=(0, 0.5),
+                xycoords=("axes fraction", ax.xaxis.label), va="center", fontsize=7,
+                color="#555555")
+    meta = {"Description": f"SM clock scale: {norm.vmin:g}..{norm.vmax:g} MHz"}
+    fig.savefig(path, bbox_inches="tight", pad_inches=0.05,
+                metadata=meta if str(path).endswith(".png") else None)
     plt.close(fig)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import (
@@ -31,8 +32,6 @@ from kareus.runtime.overlap import (
     layer_params,
 )
 from kareus.runtime.primitives import norm_backward, rmsnorm
-
-Tensor = torch.Tensor
 
 
 class OverlappedCP(torch.autograd.Function):

@@ -10,6 +10,7 @@ Kareus configuration; "random"; "exhaustive".
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
@@ -87,8 +88,9 @@ class SearchConfig:
         self.surrogate.check()
         if self.reference not in ("front", "worst"):
             raise SpecError(f"reference must be front or worst, got {self.reference!r}")
-        if self.tolerance < 0 or self.patience < 1:
-            raise SpecError("tolerance must be >= 0 and patience >= 1")
+        if not (math.isfinite(self.tolerance) and self.tolerance >= 0) or self.patience < 1:
+            raise SpecError(f"--tolerance must be a finite number >= 0 and --patience at "
+                            f"least 1, got {self.tolerance} and {self.patience}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (as ``dataclasses.asdict``): configurations cross process

@@ -33,6 +33,7 @@ from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, PipelinePoint
 from kareus.compose.plans import timeline, to_execution_plan
+from kareus.core.lock import Lock
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import Method, all_methods, get_method
@@ -65,6 +66,10 @@ class OptimizeRun:
     """Composing from a journal alone: the composer that listed the journal's lacks while
     the inputs were checked, and composes now (it is not built twice)."""
     timings: dict[str, float] = field(default_factory=dict)
+    force: bool = False
+    lock: Lock | None = None
+    """The result directory's lock, taken by `prepare_optimize` once every input was
+    checked, released when `run` ends (None on a rank that only measures)."""
 
     @property
     def measures_only(self) -> bool:
@@ -81,6 +86,16 @@ class OptimizeRun:
             rd.path.mkdir(parents=True, exist_ok=True)
             profile(self.workload, str(rd.journal), self.backend, self.config)
             return None
+        held = self.lock
+        if held is None or not held.held:  # not prepared here, or run again
+            held = self.lock = rd.lock(job_id(self.workload.job), self.force)
+        try:
+            return self._run(rd, progress, stage)
+        finally:
+            held.release()
+
+    def _run(self, rd: ResultDir, progress: TaskProgress | None, stage: Say | None
+             ) -> OptimizeResult:
         rd.prepare()
         say = stage or (lambda _msg: None)
         source = self.backend.journal_source()
@@ -184,19 +199,31 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
     ``force``: replace the result of another job in ``out_dir`` (its measurements stay in
     the journal). ``measurements``: compose from that journal alone (no search, no
     emulator number); ``fill_missing``: a backend with a cost model fills what it lacks
-    (the result says which numbers). ``job``: the workload, or a job to build it from."""
+    (the result says which numbers). ``job``: the workload, or a job to build it from.
+    The last step locks the result directory for the run (`ResultDir.lock`: another run
+    holding it is refused); `OptimizeRun.run` releases it."""
     workload = job if isinstance(job, Workload) else Workload.build(job)
     spec = backend or default_spec()
     ex = executor or ExecutorSpec()
     chosen = all_methods() if methods is None else tuple(get_method(m) for m in methods)
     if measurements is not None:
         spec = replay_spec(measurements, compose_only=True)
-    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen)
+    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, force=force)
     if run.measures_only:
         check_profile(workload, spec, config)
         return run
     ex.check()
-    ResultDir(out_dir).check_writable(job_id(workload.job), force)
+    rd = ResultDir(out_dir)
+    rd.check_writable(job_id(workload.job), force)
+    _check_numbers(run, fill_missing)
+    run.lock = rd.lock(job_id(workload.job), force)  # last: a refusal creates nothing
+    return run
+
+
+def _check_numbers(run: OptimizeRun, fill_missing: str | None) -> None:
+    """Where the numbers come from: the journal and the fill backend, or the backend and
+    the search settings."""
+    workload, spec, config = run.workload, run.backend, run.config
     source = spec.journal_source()
     if fill_missing is not None:
         if source is None:
@@ -212,14 +239,13 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
         # and holds everything composing needs, unless the user opted in to filling it
         if run.fill is None:
             run.composer = _measured_composer(workload, *source)
-            _refuse_missing(source[0], run.composer, chosen)
+            _refuse_missing(source[0], run.composer, run.methods)
         else:
             open_replay(source[0], workload.job, source[1])
-        return run
+        return
     spec.check(workload.job)
     for key in workload.keys:
         config.check(workload[key].knob_space_size(len(workload.job.freqs_mhz)), False)
-    return run
 
 
 def optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,14 @@ from kareus.plans.export import export_plan
 from kareus.plans.plan import Plan
 
 METHOD = "perseus"
+
+MAX_INSTRUCTIONS = 1024
+"""The largest 1F1B pipeline solved: stages x microbatches x 2 (forward, backward)
+instructions, 256 microbatches for two stages, 64 for eight. At this size a solve took at
+most ~2 CPU-minutes here, and 8 for twice as many instructions (docs/perseus.md has the
+measurements); lowtime's longest call (Rust, which no signal interrupts) well under a
+second. Issue 21: a million microbatches ran for minutes and took ~40 s to react to
+SIGTERM."""
 
 
 def static_power(static_power_w: float | None, gpu: str | None) -> tuple[float, str]:
@@ -67,11 +76,22 @@ def pipeline_costs(profile: PerseusProfile, microbatches: int, static_power_w: f
     no end-of-iteration work, no dynamic energy outside instructions."""
     if microbatches < 1:
         raise KareusError(f"--microbatches must be at least 1, not {microbatches}")
+    check_size(profile.pp, microbatches)
     if not (math.isfinite(p2p_time_s) and p2p_time_s >= 0):
         raise KareusError(f"--p2p-time-s must be >= 0, not {p2p_time_s}")
     pp = profile.pp
     return PipelineCosts(pp, microbatches, pp * profile.gpus_per_stage, static_power_w,
                          (p2p_time_s,) * pp, (p2p_time_s,) * pp, (0.0,) * pp, (0.0,) * pp)
+
+
+def check_size(pp: int, microbatches: int) -> None:
+    """At most `MAX_INSTRUCTIONS` instructions in the pipeline."""
+    if 2 * pp * microbatches > MAX_INSTRUCTIONS:
+        raise KareusError(f"--microbatches {microbatches} is too many: {pp} stages x "
+                          f"{microbatches} microbatches x 2 is {2 * pp * microbatches} "
+                          f"pipeline instructions, and the solver takes at most "
+                          f"{MAX_INSTRUCTIONS} (at most {MAX_INSTRUCTIONS // (2 * pp)} "
+                          f"microbatches for {pp} stages; docs/perseus.md)")
 
 
 def perseus_plans(profile: PerseusProfile, costs: PipelineCosts) -> list[Plan]:
@@ -106,10 +126,11 @@ def check_out_dir(out: str | Path, force: bool) -> Path:
 
 def import_perseus(source: str | Path, out: str | Path, microbatches: int,
                    static_power_w: float | None = None, gpu: str | None = None,
-                   p2p_time_s: float = 0.0, force: bool = False) -> dict[str, Any]:
+                   p2p_time_s: float = 0.0, force: bool = False,
+                   say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Read a Perseus profile, solve its 1F1B frontier, write ``out``/summary.json,
     ``out``/plans/ID.json (Kareus) and ``out``/zeus/ID.py (Zeus PointSolution schedule),
-    atomically. Returns the summary."""
+    atomically. Returns the summary. ``say``: told when the solve starts."""
     path = check_out_dir(out, force)
     watts, watts_source = static_power(static_power_w, gpu)
     profile = read_profile(source)
@@ -121,6 +142,9 @@ def import_perseus(source: str | Path, out: str | Path, microbatches: int,
             except SpecError as exc:
                 raise SpecError(f"{profile.source}: {exc}") from None
     costs = pipeline_costs(profile, microbatches, watts, p2p_time_s)
+    if say is not None:
+        say(f"solving the 1F1B frontier of {profile.pp} stages x {microbatches} "
+            f"microbatches")
     plans = perseus_plans(profile, costs)
     summary = _summary(profile, costs, watts_source, plans)
     job = {"pp": profile.pp, "num_microbatches": microbatches, "num_gpus": costs.gpus,

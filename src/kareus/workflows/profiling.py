@@ -4,13 +4,16 @@ on a Ray cluster (kareus.workflows.profile_ray)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kareus.backends.registry import BackendSpec
+from kareus.core.lock import Lock, lock_file
 from kareus.errors import SpecError
 from kareus.search.loop import SearchConfig
-from kareus.store import Journal
+from kareus.store import Journal, JournalError
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.profile import (
     ProfileProgress,
@@ -38,6 +41,9 @@ class ProfileRun:
     composition: bool
     executor: ExecutorSpec | None
     retries: int
+    lock: Lock | None = None
+    """The journal's lock (`journal_lock`), taken by `prepare_profile` once every input
+    was checked, released when `run` ends; None on a torchrun rank other than 0."""
 
     @property
     def quiet(self) -> bool:
@@ -46,13 +52,40 @@ class ProfileRun:
 
     def run(self, progress: ProfileProgress | None = None) -> ProfileResult:
         """On the Ray cluster when the executor is Ray, else in this process (under
-        torchrun: this rank of the group)."""
+        torchrun: this rank of the group). Rank 0 holds the journal's lock throughout."""
+        held = self.lock
+        if not self.quiet and (held is None or not held.held):
+            held = self.lock = journal_lock(self.journal)
         args = (self.workload, self.journal, self.backend, self.config, self.keys, progress,
                 self.composition)
-        if self.executor is not None and self.executor.distributed:
-            return profile_ray(*args, executor=self.executor, retries=self.retries,
-                               checked=True)
-        return profile(*args, checked=True)
+        try:
+            if self.executor is not None and self.executor.distributed:
+                return profile_ray(*args, executor=self.executor, retries=self.retries,
+                                   checked=True)
+            return profile(*args, checked=True)
+        finally:
+            if held is not None:
+                held.release()
+
+
+def check_journal(journal: str) -> None:
+    """A journal that exists must open; one that does not is made by the run, in a
+    directory that must exist and be writable. Nothing is created here."""
+    path = Path(journal)
+    if path.exists():
+        Journal(path).close()  # an existing journal: opening it adds nothing
+        return
+    parent = path.parent
+    if not parent.is_dir():
+        raise JournalError(f"cannot create journal {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise JournalError(f"cannot create journal {path}: {parent} is not writable")
+
+
+def journal_lock(journal: str) -> Lock:
+    """The journal locked for one writer (`kareus profile`, or `kareus optimize` writing
+    the result directory it lies in): another one is refused, naming its PID."""
+    return Lock.take(lock_file(journal), f"journal {journal}")
 
 
 def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
@@ -60,17 +93,22 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
                     composition: bool = True, executor: ExecutorSpec | None = None,
                     retries: int = 2) -> ProfileRun:
     """`kareus profile`, checked before any work starts (and before any progress shows):
-    the journal opens, the keys exist, the backend's and the search's settings hold (on
-    Ray the GPU is checked where it opens, on a rank)."""
+    the journal opens (or can be made: `check_journal`), the keys exist, the backend's and
+    the search's settings hold (on Ray the GPU is checked where it opens, on a rank);
+    then the journal is locked for the run (`journal_lock`; not on a torchrun rank other
+    than 0, which does not write it)."""
     if config.strategy not in PROFILE_STRATEGIES:
         raise SpecError(f"--strategy must be {' or '.join(PROFILE_STRATEGIES)}, got "
                         f"{config.strategy!r}")
     if retries < 0:
         raise SpecError(f"--ray-retries must be >= 0, got {retries}")
-    Journal(journal).close()
+    check_journal(journal)
     distributed = executor is not None and executor.distributed
     if executor is not None:
         executor.check()
     chosen = check_profile(workload, backend, config, keys, here=not distributed)
-    return ProfileRun(workload, journal, backend, config, chosen, composition, executor,
-                      retries)
+    run = ProfileRun(workload, journal, backend, config, chosen, composition, executor,
+                     retries)
+    if not run.quiet:  # last: a refusal creates nothing
+        run.lock = journal_lock(journal)
+    return run
