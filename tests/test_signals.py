@@ -221,6 +221,23 @@ def test_signal_while_searching(previous, tmp_path, sig):
         run.kill()
 
 
+@pytest.mark.parametrize("delay_s", [0.3, 0.7, 1.0, 1.4])
+def test_ctrl_c_while_workers_start(previous, tmp_path, delay_s):
+    """Ctrl-C reaches the workers too (the whole process group); while they are still
+    importing, a worker used to print a multiprocessing traceback of its own. They start
+    with SIGINT blocked: the parent alone answers it and stops them."""
+    out = _result_dir(previous, tmp_path, keep_journal=False)
+    before = _digest(out)
+    run = Kareus("optimize", *JOB, "--budget", "100", "--out", str(out))
+    try:
+        run.wait_for("searching 4 partitions")
+        time.sleep(delay_s)
+        run.send(signal.SIGINT)
+        _check_stopped(run, signal.SIGINT, out, before)
+    finally:
+        run.kill()
+
+
 @pytest.mark.parametrize("phase", ["compose", "validate", "write"])
 @SIGNALS
 def test_signal_in_a_phase(previous, tmp_path, phase, sig):

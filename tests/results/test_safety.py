@@ -184,6 +184,20 @@ def test_the_result_directory_and_its_journal_share_one_lock(tmp_path):
     assert sorted(p.name for p in rd.path.iterdir()) == [rd.lock_file.name]
 
 
+def test_a_search_on_a_journal_being_written_is_refused(tmp_path):
+    """`kareus search --journal J` is a writer of J like a profile: one at a time."""
+    journal = tmp_path / "j.sqlite"
+    args = ("search", *SMALL, "--budget", "20", "--journal", str(journal))
+    with journal_lock(str(journal)):  # as `kareus profile --journal j.sqlite` holds it
+        r = run_cli(*args)
+        assert r.code == 2 and f"pid {os.getpid()}" in r.err and str(journal) in r.err, r.err
+        assert not journal.exists()
+    r = run_cli(*args, "--partition", "fwd_attn", "--json")
+    assert r.code == 0, r.err
+    with journal_lock(str(journal)) as held:  # released when the search ended
+        assert held.held
+
+
 def test_ranks_that_only_measure_take_no_lock(tmp_path, monkeypatch):
     job = build_job("kareus-1", overrides={"num_microbatches": 4})
     monkeypatch.setenv("RANK", "1")

@@ -3,12 +3,18 @@
 
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from kareus.core.atomic import mark
 from kareus.job.perseus_profile import read_profile
 from kareus.plans.plan import Plan
+from kareus.results.resultdir import MARKER as RESULT_MARKER
+from kareus.workflows.perseus import ImportDir
 from tests.conftest import run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "perseus-profile.csv"
@@ -177,14 +183,16 @@ def test_out_is_refused_unless_empty_or_forced(tmp_path):
     assert r.code == 2 and "not empty" in r.err
     # --force never replaces a directory that is not an earlier import's output
     r = _import(tmp_path, src, "--static-power-w", "50", "--force")
-    assert r.code == 2 and "not an earlier import-perseus output" in r.err
+    assert r.code == 2 and "is not a Kareus import-perseus output" in r.err
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
     (tmp_path / "out" / "keep.txt").unlink()
     assert _import(tmp_path, src, "--static-power-w", "50").code == 0
+    r = _import(tmp_path, src, "--static-power-w", "50")
+    assert r.code == 2 and "earlier import-perseus output" in r.err and "--force" in r.err
     r = _import(tmp_path, src, "--static-power-w", "50", "--force")
     assert r.code == 0, r.err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "plans", "summary.json", "zeus"]
+        ".kareus-import", ".kareus-import.lock", "plans", "summary.json", "zeus"]
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
@@ -206,7 +214,7 @@ def test_a_failed_rewrite_leaves_the_earlier_import(tmp_path, monkeypatch, faili
 
     monkeypatch.setattr(failing, crash)
     r = _import(tmp_path, src, "--static-power-w", "60", "--force")
-    assert r.code == 2 and f"cannot write {out}: killed here" in r.err, r.err
+    assert r.code == 2 and f"cannot write the plans to {out}: killed here" in r.err, r.err
     assert files() == before
     assert not list(tmp_path.glob(".out.tmp-*"))
 
@@ -231,3 +239,82 @@ def test_table_and_zeus_loader(tmp_path):
     sched = scheduler.PointSolution(job, ranks, settings, solution_path=str(path))
     served = {s.rank: [tuple(x) for x in s.frequencies] for s in sched.next_schedule()}
     assert served == dict(enumerate(ast.literal_eval(path.read_text())))
+
+
+# The output directory holds only what Kareus writes (issue 21, item 1) ------------------
+
+
+def _kareus(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kareus.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("out", [".", "", "..", "ABS"])
+def test_out_of_the_current_directory_or_above_is_refused_as_a_process(tmp_path, out):
+    """As it failed: a real process in a directory holding the user's files; the current
+    directory (given as ``.``, empty, its parent or its absolute path) is never swapped."""
+    home = tmp_path / "work"
+    (home / "precious").mkdir(parents=True)
+    (home / "precious" / "file").write_text("mine")
+    src = _write(home / "p.csv", _rows())
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    given = str(home) if out == "ABS" else out
+    r = _kareus("import-perseus", "p.csv", "--out", given, "--microbatches", "3",
+                "--static-power-w", "50", "--force", cwd=home)
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kareus: error: --out"), r.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (home / "precious" / "file").read_text() == "mine" and src.is_file()
+
+
+def test_out_inside_a_result_or_an_import_is_refused(tmp_path):
+    src = _write(tmp_path / "p.csv", _rows())
+    assert _import(tmp_path, src, "--static-power-w", "50").code == 0
+    for inside in (tmp_path / "out" / "plans", tmp_path / "out" / "sub"):
+        r = run_cli("import-perseus", str(src), "--out", str(inside), "--microbatches",
+                    "3", "--static-power-w", "50", "--force")
+        assert r.code == 2 and "inside the import-perseus output" in r.err, r.err
+    assert not (tmp_path / "out" / "sub").exists()
+    result = tmp_path / "run"
+    result.mkdir()
+    mark(result, RESULT_MARKER)
+    r = run_cli("import-perseus", str(src), "--out", str(result / "perseus"),
+                "--microbatches", "3", "--static-power-w", "50")
+    assert r.code == 2 and "inside the result directory" in r.err, r.err
+    assert not (result / "perseus").exists()
+
+
+@pytest.mark.parametrize("foreign", ["notes.txt", "plans/mine.txt", "zeus/sub/x"])
+def test_an_earlier_import_holding_user_files_is_not_replaced(tmp_path, foreign):
+    src = _write(tmp_path / "p.csv", _rows())
+    assert _import(tmp_path, src, "--static-power-w", "50").code == 0
+    path = tmp_path / "out" / foreign
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("mine")
+    r = _import(tmp_path, src, "--static-power-w", "60", "--force")
+    assert r.code == 2 and "did not write" in r.err, r.err
+    assert path.read_text() == "mine"
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["static_power_w"] == 50
+
+
+def test_a_second_import_on_the_same_out_is_refused_naming_the_first(tmp_path):
+    src = _write(tmp_path / "p.csv", _rows())
+    out_dir = ImportDir(tmp_path / "out")
+    with out_dir.lock():
+        r = _import(tmp_path, src, "--static-power-w", "50")
+        assert r.code == 2 and f"in use by another kareus run (pid {os.getpid()})" in r.err
+        assert not (tmp_path / "out" / "summary.json").exists()
+    assert _import(tmp_path, src, "--static-power-w", "50").code == 0  # released
+
+
+def test_a_symlinked_out_gets_the_plans_in_its_target(tmp_path):
+    src = _write(tmp_path / "p.csv", _rows())
+    target = tmp_path / "disk" / "out"
+    target.mkdir(parents=True)
+    (tmp_path / "out").symlink_to(target)
+    assert _import(tmp_path, src, "--static-power-w", "50").code == 0
+    assert _import(tmp_path, src, "--static-power-w", "60", "--force").code == 0
+    assert (tmp_path / "out").is_symlink()
+    assert json.loads((target / "summary.json").read_text())["static_power_w"] == 60
+    assert not list(tmp_path.rglob(".*.tmp-*"))

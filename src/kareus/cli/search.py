@@ -15,7 +15,7 @@ from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
-from kareus.workflows.executors import ExecutorSpec, prepare_search, run_tasks
+from kareus.workflows.executors import ExecutorSpec, prepare_search
 from kareus.workflows.profiling import prepare_profile
 from kareus.workflows.progress import ProgressBars
 from kareus.workload.workload import Workload
@@ -58,12 +58,12 @@ def search(
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           initial=initial, batch_size=batch_size, tolerance=tolerance,
                           patience=patience, surrogate=SurrogateConfig(kind=surrogate))
-    tasks = prepare_search(workload, partition, config, backend, executor, journal, prior)
+    run = prepare_search(workload, partition, config, backend, executor, journal, prior)
     if json_out:
-        results = run_tasks(tasks, executor, workload=workload)
+        results = run.run(executor, workload=workload)
     else:
-        with ProgressBars([t.partition for t in tasks], stderr_console()) as bars:
-            results = run_tasks(tasks, executor, bars.update, workload=workload)
+        with ProgressBars([t.partition for t in run.tasks], stderr_console()) as bars:
+            results = run.run(executor, bars.update, workload=workload)
             bars.finish(results)
     if json_out:
         docs = [r.to_dict() for r in results]

@@ -15,6 +15,10 @@ from typing import Protocol, runtime_checkable
 
 from kareus.errors import KareusError
 
+GPU_EXTRA = ("from a clone, pip install -e '.[gpu]' (Zeus, NVML and PyTorch: a CUDA build "
+             "unless a PyTorch is installed first; docs/gpu.md)")
+"""How to install what real GPUs need (kareus is installed from a clone, not an index)."""
+
 
 class GPUPermissionError(KareusError):
     """Changing clocks needs privileges this process does not have."""
@@ -111,8 +115,7 @@ class ZeusDevice:
         try:
             from zeus.device import get_gpus
         except ImportError:
-            raise KareusError("the nvml backend needs Zeus: pip install 'kareus[gpu]'"
-                              ) from None
+            raise KareusError(f"the nvml backend needs Zeus: {GPU_EXTRA}") from None
         try:
             self._gpus = get_gpus()
             self.index = index
@@ -157,8 +160,8 @@ def _require_nvidia_gpu(index: int) -> None:
     try:
         import pynvml
     except ImportError:
-        raise KareusError("the nvml backend needs NVML's Python binding: pip install "
-                          "'kareus[gpu]'") from None
+        raise KareusError(f"the nvml backend needs NVML's Python binding: {GPU_EXTRA}"
+                          ) from None
     try:
         pynvml.nvmlInit()
         count = int(pynvml.nvmlDeviceGetCount())

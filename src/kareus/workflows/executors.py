@@ -11,14 +11,17 @@ executor runs them.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kareus.backends.journaled import JournaledBackend
@@ -29,11 +32,12 @@ from kareus.backends.registry import (
     open_prior,
     spec_from_dict,
 )
+from kareus.core.lock import Lock, lock_file
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
 from kareus.ray_support import ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.store import Journal, job_id
+from kareus.store import Journal, JournalError, job_id
 from kareus.workload.workload import Workload
 
 EXECUTORS = ("local", "ray")
@@ -217,10 +221,10 @@ def _run_pool(tasks: list[SearchTask], workers: int, progress: TaskProgress | No
     """A pool of spawned processes (no forked copies of XGBoost or SQLite state). Leaving
     the pool's block terminates its workers whatever happened: a failed search, Ctrl-C or
     SIGTERM stops the others at once instead of waiting for them to finish."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q = mp.get_context("spawn").Queue()
     results: dict[int, SearchResult] = {}
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(q, os.getpid())) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = spawn_pool(stack, workers, _init_worker, (q, os.getpid()))
         pending = {i: pool.apply_async(_run_in_worker, (t,)) for i, t in enumerate(tasks)}
         while pending:
             for i in [i for i, r in pending.items() if r.ready()]:
@@ -228,6 +232,35 @@ def _run_pool(tasks: list[SearchTask], workers: int, progress: TaskProgress | No
             _drain(q, progress, timeout_s=0.05)
         _drain(q, progress, timeout_s=0.0)
     return [results[i] for i in range(len(tasks))]
+
+
+def spawn_pool(stack: contextlib.ExitStack, workers: int,
+               initializer: Callable[..., object] | None = None,
+               initargs: tuple[Any, ...] = ()) -> Any:
+    """A pool of ``workers`` spawned processes, entered into ``stack`` (leaving it
+    terminates them), started with SIGINT blocked (`_sigint_blocked`): Ctrl-C is answered
+    by this process alone, which then stops them. A Ctrl-C during the start arrives once
+    the pool is in ``stack``."""
+    with _sigint_blocked():
+        return stack.enter_context(mp.get_context("spawn").Pool(
+            workers, initializer=initializer, initargs=initargs))
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile. Processes (and threads) started in the
+    block inherit the mask, through exec too, and Python never unblocks it: Ctrl-C, which
+    the terminal sends to the whole process group, reaches only the parent, which stops
+    the pool. Without it a worker still importing printed its own KeyboardInterrupt
+    traceback (issue 21). A SIGINT sent meanwhile is delivered when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _drain(q: Any, progress: TaskProgress | None, timeout_s: float) -> None:
@@ -259,13 +292,30 @@ def _run_ray(tasks: list[SearchTask], address: str | None, progress: TaskProgres
         return [results[i] for i in range(len(tasks))]
 
 
+@dataclass
+class SearchRun:
+    """`kareus search`'s tasks, checked, with the journal's lock held for the run."""
+
+    tasks: list[SearchTask]
+    lock: Lock | None = None
+
+    def run(self, executor: ExecutorSpec, progress: TaskProgress | None = None,
+            workload: Workload | None = None) -> list[SearchResult]:
+        """Every task (`run_tasks`); the journal's lock is released at the end."""
+        try:
+            return run_tasks(self.tasks, executor, progress, workload)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+
 def prepare_search(workload: Workload, keys: Sequence[str] | None, config: SearchConfig,
                    backend: BackendSpec, executor: ExecutorSpec,
-                   journal: str | None = None, prior: str | None = None
-                   ) -> list[SearchTask]:
+                   journal: str | None = None, prior: str | None = None) -> SearchRun:
     """`kareus search`'s tasks: every partition of ``keys`` (default: all). Unknown keys,
     bad settings, an unknown prior and an unreadable journal fail here, before any work
-    starts and before any progress is shown."""
+    starts, before any progress is shown and before anything is created; then the journal
+    is locked for the run (`journal_lock`: one writer at a time)."""
     chosen = list(keys or workload.keys)
     check_prior(prior)
     with_prior = prior not in (None, "none")
@@ -273,8 +323,37 @@ def prepare_search(workload: Workload, keys: Sequence[str] | None, config: Searc
         config.check(workload[key].knob_space_size(len(workload.job.freqs_mhz)), with_prior)
     backend.check(workload.job)
     executor.check()
-    return make_tasks(workload, chosen, config, backend, journal,
-                      prior if with_prior else None)
+    if journal is None:
+        return SearchRun(make_tasks(workload, chosen, config, backend, None,
+                                    prior if with_prior else None))
+    check_journal(journal)
+    held = journal_lock(journal)
+    try:
+        return SearchRun(make_tasks(workload, chosen, config, backend, journal,
+                                    prior if with_prior else None), held)
+    except BaseException:
+        held.release()
+        raise
+
+
+def check_journal(journal: str) -> None:
+    """A journal that exists must open; one that does not is made by the run, in a
+    directory that must exist and be writable. Nothing is created here."""
+    path = Path(journal)
+    if path.exists():
+        Journal(path).close()  # an existing journal: opening it adds nothing
+        return
+    parent = path.parent
+    if not parent.is_dir():
+        raise JournalError(f"cannot create journal {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise JournalError(f"cannot create journal {path}: {parent} is not writable")
+
+
+def journal_lock(journal: str) -> Lock:
+    """The journal locked for one writer (`kareus profile`, or `kareus optimize` writing
+    the result directory it lies in): another one is refused, naming its PID."""
+    return Lock.take(lock_file(journal), f"journal {journal}")
 
 
 def search_partitions(workload: Workload, keys: Sequence[str] | None, config: SearchConfig,
@@ -283,5 +362,5 @@ def search_partitions(workload: Workload, keys: Sequence[str] | None, config: Se
                       progress: TaskProgress | None = None) -> list[SearchResult]:
     """`prepare_search`, then every search, journal first (``journal``, or one in memory
     per search)."""
-    tasks = prepare_search(workload, keys, config, backend, executor, journal, prior)
-    return run_tasks(tasks, executor, progress, workload=workload)
+    return prepare_search(workload, keys, config, backend, executor, journal, prior).run(
+        executor, progress, workload)

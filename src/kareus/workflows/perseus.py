@@ -5,7 +5,7 @@ becomes one sequential InstructionOption per profiled frequency (dynamic energy 
 static power x time); kareus.compose.pipeline solves the 1F1B frontier; each frontier
 point becomes a Plan, written as Kareus JSON and as the frequency schedule Zeus's
 PointSolution scheduler runs (kareus.plans.export), into a directory swapped in whole
-(kareus.core.atomic.replace_dir). docs/perseus.md has more.
+(`ImportDir`: only what Kareus writes, one run at a time). docs/perseus.md has more.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from kareus import SCHEMA_VERSION
 from kareus.compose.instruction import InstructionOption
 from kareus.compose.pipeline import PipelineCosts, PipelinePoint, solve_frontier
 from kareus.compose.plans import timeline, to_execution_plan
-from kareus.core.atomic import replace_dir, write_text_atomic
+from kareus.core.atomic import write_text_atomic
+from kareus.core.jsonfile import read_json_object
+from kareus.core.lock import Lock
+from kareus.core.owned_dir import OwnedDir
 from kareus.errors import KareusError, SpecError
 from kareus.job.hardware import get_gpu
 from kareus.job.perseus_profile import PerseusProfile, read_profile
@@ -107,21 +110,49 @@ def perseus_plans(profile: PerseusProfile, costs: PipelineCosts) -> list[Plan]:
     return plans
 
 
-def check_out_dir(out: str | Path, force: bool) -> Path:
-    """``out`` if it may be written: absent, an empty directory, or (``force``) an earlier
-    import's directory (it holds summary.json), which is then replaced whole. Any other
-    directory is never replaced, with or without ``force``."""
-    path = Path(out)
-    if (force and path.is_dir() and any(path.iterdir())
-            and not (path / "summary.json").is_file()):
-        raise KareusError(f"{path} is not an earlier import-perseus output (no summary.json)"
-                          f"; --force replaces only those: choose another --out")
-    if path.exists() and not path.is_dir():
-        raise KareusError(f"--out {path} is a file, not a directory")
-    if path.is_dir() and any(path.iterdir()) and not force:
-        raise KareusError(f"{path} exists and is not empty; choose another --out, or "
-                          f"--force to replace it")
-    return path
+class ImportDir(OwnedDir):
+    """The directory import-perseus writes: summary.json, plans/ID.json, zeus/ID.py; its
+    marker and its lock (`kareus.core.owned_dir` keeps the user's files safe)."""
+
+    marker = ".kareus-import"
+    what = "import-perseus output"
+    lock_name = ".kareus-import.lock"
+    written_files = ("summary.json",)
+    written_dirs = (("plans", ".json"), ("zeus", ".py"))
+    content = "the plans"
+
+    @classmethod
+    def legacy(cls, path: Path) -> bool:
+        """Written before the marker: a summary.json of an import."""
+        doc = path / "summary.json"
+        if doc.is_symlink() or not doc.is_file():
+            return False
+        try:
+            content = read_json_object(doc, "summary")
+        except KareusError:
+            return False
+        return content.get("schema_version") is not None and "frontier" in content
+
+    def check_writable(self, force: bool = False) -> None:
+        """Fail before any work when the directory cannot be one (`OwnedDir.check_place`:
+        an existing directory that is not an earlier import's output is never replaced,
+        with or without ``force``), or is an earlier import's output and not ``force``."""
+        real = self.check_place()
+        if real is not None and not force and self.is_mine(real) and any(
+                (real / name).exists() for name in ("summary.json", "plans", "zeus")):
+            raise KareusError(f"{self.path} holds an earlier import-perseus output; "
+                              f"choose another --out, or --force to replace it")
+
+    def lock(self, force: bool = False) -> Lock:
+        """The directory locked for one run (`OwnedDir.locked`)."""
+        return self.locked(lambda: self.check_writable(force))
+
+
+def check_out_dir(out: str | Path, force: bool) -> ImportDir:
+    """``out`` if it may be written (`ImportDir.check_writable`)."""
+    out_dir = ImportDir(out)
+    out_dir.check_writable(force)
+    return out_dir
 
 
 def import_perseus(source: str | Path, out: str | Path, microbatches: int,
@@ -131,7 +162,7 @@ def import_perseus(source: str | Path, out: str | Path, microbatches: int,
     """Read a Perseus profile, solve its 1F1B frontier, write ``out``/summary.json,
     ``out``/plans/ID.json (Kareus) and ``out``/zeus/ID.py (Zeus PointSolution schedule),
     atomically. Returns the summary. ``say``: told when the solve starts."""
-    path = check_out_dir(out, force)
+    out_dir = check_out_dir(out, force)
     watts, watts_source = static_power(static_power_w, gpu)
     profile = read_profile(source)
     if gpu is not None:
@@ -149,7 +180,9 @@ def import_perseus(source: str | Path, out: str | Path, microbatches: int,
     summary = _summary(profile, costs, watts_source, plans)
     job = {"pp": profile.pp, "num_microbatches": microbatches, "num_gpus": costs.gpus,
            "source": profile.source}
-    _write_dir(path, plans, job, summary)
+    with out_dir.lock(force):  # last: a refusal creates nothing
+        out_dir.prepare()
+        _write_dir(out_dir, plans, job, summary)
     return summary
 
 
@@ -173,10 +206,10 @@ def _summary(profile: PerseusProfile, costs: PipelineCosts, watts_source: str,
     }
 
 
-def _write_dir(path: Path, plans: list[Plan], job: dict[str, Any],
+def _write_dir(out_dir: ImportDir, plans: list[Plan], job: dict[str, Any],
                summary: dict[str, Any]) -> None:
-    """Build the directory beside ``path``, then move or swap it in: a reader sees the
-    old directory or the new one, never a mix."""
+    """Build the directory beside ``out_dir``, then move or swap it in
+    (`OwnedDir.swap`): a reader sees the old directory or the new one, never a mix."""
 
     def fill(tmp: Path) -> None:
         (tmp / "plans").mkdir()
@@ -186,7 +219,4 @@ def _write_dir(path: Path, plans: list[Plan], job: dict[str, Any],
             export_plan(plan, job, "zeus", tmp / "zeus" / f"{plan.id}.py")
         write_text_atomic(tmp / "summary.json", json.dumps(summary, indent=1) + "\n")
 
-    try:
-        replace_dir(path, fill, str(os.getpid()))
-    except OSError as exc:
-        raise KareusError(f"cannot write {path}: {exc}") from None
+    out_dir.swap(fill, str(os.getpid()))

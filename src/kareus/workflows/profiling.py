@@ -4,17 +4,14 @@ on a Ray cluster (kareus.workflows.profile_ray)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kareus.backends.registry import BackendSpec
-from kareus.core.lock import Lock, lock_file
+from kareus.core.lock import Lock
 from kareus.errors import SpecError
 from kareus.search.loop import SearchConfig
-from kareus.store import Journal, JournalError
-from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.executors import ExecutorSpec, check_journal, journal_lock
 from kareus.workflows.profile import (
     ProfileProgress,
     ProfileResult,
@@ -66,26 +63,6 @@ class ProfileRun:
         finally:
             if held is not None:
                 held.release()
-
-
-def check_journal(journal: str) -> None:
-    """A journal that exists must open; one that does not is made by the run, in a
-    directory that must exist and be writable. Nothing is created here."""
-    path = Path(journal)
-    if path.exists():
-        Journal(path).close()  # an existing journal: opening it adds nothing
-        return
-    parent = path.parent
-    if not parent.is_dir():
-        raise JournalError(f"cannot create journal {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise JournalError(f"cannot create journal {path}: {parent} is not writable")
-
-
-def journal_lock(journal: str) -> Lock:
-    """The journal locked for one writer (`kareus profile`, or `kareus optimize` writing
-    the result directory it lies in): another one is refused, naming its PID."""
-    return Lock.take(lock_file(journal), f"journal {journal}")
 
 
 def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,

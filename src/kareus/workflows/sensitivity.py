@@ -15,7 +15,7 @@ returns by kareus.results.sensitivity_report.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
 import os
 import statistics
 import time
@@ -33,6 +33,7 @@ from kareus.job.spec import JobSpec
 from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, Method, all_methods, get_method
 from kareus.plans.metrics import method_metrics
 from kareus.search.loop import SearchResult
+from kareus.workflows.executors import spawn_pool
 from kareus.workload.workload import Workload
 
 HEADLINE_METHOD = "kareus"
@@ -193,7 +194,8 @@ def _run_all(tasks: list[tuple[int, JobSpec, dict[str, list[Knobs]], dict[str, f
             results[i] = m
             done(i)
         return results
-    with mp.get_context("spawn").Pool(n) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = spawn_pool(stack, n)
         for i, m in pool.imap_unordered(_run_task, tasks):
             results[i] = m
             done(i)
