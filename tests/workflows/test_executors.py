@@ -122,3 +122,11 @@ def test_unreachable_ray_cluster_is_one_error_and_writes_nothing(tmp_path):
     assert not out.exists()
     r = run_cli("search", "-p", "kareus-1", "--executor", "ray", "--ray-address", "nonsense")
     assert r.code == 2 and "host:port" in r.err
+
+
+def test_search_table_says_its_gpu_hours_are_an_estimate():
+    """An emulator run shows what profiling would cost, labelled as such (issue 21)."""
+    r = run_cli("search", "-p", "kareus-1", "--partition", "fwd_mlp", "--budget", "20")
+    assert r.code == 0, r.err
+    assert "est. GPU h" in r.out and "an estimate, not time spent here" in " ".join(r.out.split())
+    assert "profiling h" not in r.out

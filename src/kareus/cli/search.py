@@ -77,12 +77,14 @@ def search(
 def _print_searches(strategy: str, job: JobSpec, results: list[SearchResult]) -> None:
     t = table(f"{strategy} search of {job.describe()}",
               ("partition", "samples", "measured", "reused", "frontier", "hypervolume",
-               "profiling h", "stopped"), left=("partition", "stopped"))
+               "est. GPU h", "stopped"), left=("partition", "stopped"))
     for r in results:
         t.add_row(r.partition, str(len(r.samples)), str(r.measured_this_run),
                   str(r.reused_from_journal), str(len(r.frontier)), f"{r.hypervolume:.4f}",
                   f"{r.profiling_cost_s / 3600:.2f}", r.stopped)
     console.print(t)
+    console.print("est. GPU h: what these measurements would cost on a GPU at the profiling "
+                  "protocol (window, cooldown, settle), an estimate, not time spent here")
     if len(results) == 1:
         front = table(f"{results[0].partition}: frontier (time, dynamic energy)",
                       ("MHz", "SMs", "slot", "time ms", "dynamic J", "energy J"))
