@@ -6,9 +6,9 @@ Shards (Megatron): QKV and FC1 column parallel, output projection and FC2 row pa
 norms replicated. The plain layer (``layer(x)``) uses Megatron's two autograd operators and
 blocking collectives (kareus.runtime.primitives). With a `LayerPlan` (``layer(x, plan)``)
 it splits the microbatch into two nanobatches and runs Kareus's partitions: one custom
-autograd Function owns the whole schedule (kareus.runtime.overlap_tp, or overlap_cp with
-context parallelism). Each collective is issued asynchronously (NCCL runs it on its own
-stream; with the plan's SM count when a group per SM setting is given) just before the
+autograd Function owns the whole schedule (kareus.runtime.overlap_tp over the layer's
+ops, or overlap_cp with context parallelism). Each collective is issued asynchronously
+(NCCL runs it on its own stream; with the plan's SM count when a group per SM setting is given) just before the
 compute op named by the plan's slot, and waited for at the end of its partition.
 
 The overlap changes when things run, never what they compute (tested: outputs and every
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps, layer_params
 from kareus.runtime.overlap_cp import OverlappedCP
-from kareus.runtime.overlap_tp import OverlappedTP
+from kareus.runtime.overlap_tp import Before, OverlappedTP
 from kareus.runtime.primitives import (
     CopyToTP,
     GatherSeq,
@@ -136,14 +136,61 @@ class LlamaLayer(torch.nn.Module):
             taps.update(fc1=gu, swiglu=sw, fc2=m)
         return m
 
+    # The ops of the TP schedule (kareus.runtime.overlap_tp.TPLayerOps) ------------------------
+
+    batch_dim = 0
+
+    def attn_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.norm1)
+
+    def attn_partial(self, a: torch.Tensor, before: Before, taps: Taps) -> torch.Tensor:
+        before("qkv")
+        b, s, _ = a.shape
+        qkv = a @ self.wqkv
+        q, k, v = torch.split(qkv, [self.heads * self.d, self.kv * self.d,
+                                    self.kv * self.d], dim=-1)
+        before("rope")
+        q = rotary(q.reshape(b, s, self.heads, self.d))
+        k = rotary(k.reshape(b, s, self.kv, self.d))
+        v = v.reshape(b, s, self.kv, self.d)
+        taps.update(qkv=qkv, rope=(q, k))
+        before("core_attn")
+        o = self.attention(q, torch.cat([k, v], dim=-1), taps)
+        before("out_proj")
+        p = o @ self.wo
+        taps.update(out_proj=p)
+        return p
+
+    def attn_residual(self, x: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+        return x + reduced
+
+    def mlp_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(h, self.norm2)
+
+    def mlp_partial(self, bn: torch.Tensor, before: Before, taps: Taps) -> torch.Tensor:
+        before("fc1")
+        gu = bn @ self.w1
+        gate, up = gu.chunk(2, dim=-1)
+        before("swiglu")
+        sw = F.silu(gate) * up
+        before("fc2")
+        m = sw @ self.w2
+        taps.update(fc1=gu, swiglu=sw, fc2=m)
+        return m
+
+    def mlp_residual(self, h: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+        return h + reduced
+
     # Entry point -----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, plan: LayerPlan | None = None) -> torch.Tensor:
         """The plain layer without a plan; the plan's partitioned overlap with one."""
         if plan is None:
             return self.plain(x)
-        schedule = OverlappedCP if self.cp > 1 else OverlappedTP
-        return schedule.apply(x, self, plan, *layer_params(self))
+        if self.cp > 1:
+            return OverlappedCP.apply(x, self, plan, *layer_params(self))
+        # the layer's own full recompute: the backward rebuilds each piece
+        return OverlappedTP.apply(x, self, plan, False, *layer_params(self))
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """Blocking collectives, ordinary autograd."""

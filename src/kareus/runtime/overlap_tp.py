@@ -1,184 +1,336 @@
-"""The overlapped schedule with tensor parallelism only (CP=1).
+"""The overlapped schedule with tensor parallelism only (CP=1), over any layer that offers
+its ops without their communication (`TPLayerOps`): the project's `LlamaLayer`, and
+Megatron-Core's `TransformerLayer` (kareus.integrations.megatron).
 
 Two nanobatches; forward nb0.attn | nb1.attn + AR(nb0) | nb0.mlp + AR(nb1) | nb1.mlp +
 AR(nb0) | AR(nb1); backward nb0.mlp' | nb1.mlp' + AR(dnb0) | nb0.attn' + AR(dnb1) |
 nb1.attn' + AR(dnb0) | AR(dnb1) | input-norm backward (docs/workload.md). Each all-reduce
 is issued before the compute op the plan's slot names and waited for at the end of its
-partition. The backward recomputes each segment from its saved input (full recompute, as
-Kareus runs).
+partition: in the forward from the ops' ``before(name)`` calls, in the backward from a
+gradient hook on the forward tensor whose backward the slot names.
+
+A nanobatch's layer is cut into six pieces at the points where a collective sits: the
+attention norm, the attention core (QKV to the partial output projection), the attention
+residual, and the same three for the MLP. The backward differentiates them piece by piece,
+in the schedule's order. Where the pieces' autograd graphs come from is the caller's
+choice (``keep_graphs``):
+- kept from the forward (run with grad enabled): nothing is computed twice. This is what
+  Megatron's full recompute needs: its checkpoint re-runs the layer's forward before the
+  backward, and that re-run keeps the graphs;
+- rebuilt in the backward from the saved piece inputs (the layer's own full recompute:
+  `LlamaLayer`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor
 
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import (
-    GradientSums,
-    OverlapLayer,
-    PartitionCollectives,
+    BACKWARD_TAPS,
+    GroupsBySms,
     Pending,
     Taps,
     hook_backward_slot,
-    issue_at_end,
     issue_before,
-    layer_params,
 )
-from kareus.runtime.primitives import norm_backward, rmsnorm, rotary
+from kareus.runtime.primitives import Group
+
+Before = Callable[[str], None]
+"""Called with a compute op's name just before it runs (the forward's slot hook)."""
+
+NORM_SLOTS_BWD = ("pre_mlp_norm_bwd", "residual_attn_bwd")
+"""Backward slots of the attention partition that start before its MLP-norm backward."""
 
 
-def attn_segment(layer: OverlapLayer, x: torch.Tensor, launch_op: str | None,
-                 pending: Pending | None) -> torch.Tensor:
-    """One nanobatch's attention segment (input norm to output projection), op by op so
-    that ``pending`` is issued exactly before ``launch_op``; the partial projection."""
-    issue_before(pending, launch_op, "residual_mlp")
-    issue_before(pending, launch_op, "input_norm")
-    a = rmsnorm(x, layer.norm1)
-    issue_before(pending, launch_op, "qkv")
-    b, s, _ = a.shape
-    qkv = a @ layer.wqkv
-    q, k, v = torch.split(qkv, [layer.heads * layer.d, layer.kv * layer.d,
-                                layer.kv * layer.d], dim=-1)
-    issue_before(pending, launch_op, "rope")
-    q = rotary(q.reshape(b, s, layer.heads, layer.d))
-    k = rotary(k.reshape(b, s, layer.kv, layer.d))
-    v = v.reshape(b, s, layer.kv, layer.d)
-    issue_before(pending, launch_op, "core_attn")
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                       v.transpose(1, 2), is_causal=True,
-                                       enable_gqa=layer.heads != layer.kv)
-    o = o.transpose(1, 2).reshape(b, s, layer.heads * layer.d)
-    issue_before(pending, launch_op, "out_proj")
-    out = o @ layer.wo
-    issue_at_end(pending)
-    return out
+class TPLayerOps(Protocol):
+    """A decoder layer's ops as the TP schedule runs them: none communicates. The two
+    cores return this rank's partial sums (row-parallel linears without their
+    all-reduce) and take a norm output whose gradient they return partial
+    (column-parallel linears without their backward all-reduce)."""
+
+    group: Group
+    """The tensor-parallel group."""
+    groups_by_sms: GroupsBySms | None
+    """The group whose NCCL communicator runs a collective on that many SMs (None: the
+    layer's own group for every collective)."""
+    batch_dim: int
+    """The batch dimension of the layer's input (split into the two nanobatches)."""
+
+    def attn_norm(self, x: Tensor) -> Tensor: ...
+
+    def attn_partial(self, a: Tensor, before: Before, taps: Taps) -> Tensor:
+        """Norm output -> partial output projection; calls ``before`` with "qkv", "rope",
+        "core_attn", "out_proj" and fills ``taps`` with the tensors of those names."""
+        ...
+
+    def attn_residual(self, x: Tensor, reduced: Tensor) -> Tensor: ...
+
+    def mlp_norm(self, h: Tensor) -> Tensor: ...
+
+    def mlp_partial(self, bn: Tensor, before: Before, taps: Taps) -> Tensor:
+        """Norm output -> partial FC2 output; calls ``before`` with "fc1", "swiglu",
+        "fc2" and fills ``taps`` with the tensors of those names."""
+        ...
+
+    def mlp_residual(self, h: Tensor, reduced: Tensor) -> Tensor: ...
 
 
-def mlp_segment(layer: OverlapLayer, x: torch.Tensor, reduced: torch.Tensor,
-                launch_op: str | None, pending: Pending | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One nanobatch's MLP segment (residual to FC2): the residual stream h and the
-    partial FC2 output."""
-    issue_before(pending, launch_op, "residual_attn")
-    h = x + reduced
-    issue_before(pending, launch_op, "pre_mlp_norm")
-    bn = rmsnorm(h, layer.norm2)
-    issue_before(pending, launch_op, "fc1")
-    gu = bn @ layer.w1
-    gate, up = gu.chunk(2, dim=-1)
-    issue_before(pending, launch_op, "swiglu")
-    sw = F.silu(gate) * up
-    issue_before(pending, launch_op, "fc2")
-    out = sw @ layer.w2
-    issue_at_end(pending)
-    return h, out
+PIECES = ("attn_norm", "attn_core", "attn_res", "mlp_norm", "mlp_core", "mlp_res")
+
+
+@dataclass
+class _Piece:
+    """One piece of one nanobatch: its leaf inputs and output (a graph when built with
+    grad enabled) and its tapped intermediates."""
+
+    inputs: list[Tensor]
+    output: Tensor
+    taps: Taps = field(default_factory=dict)
+
+
+def _leaf(t: Tensor) -> Tensor:
+    return t.detach().requires_grad_(torch.is_grad_enabled())
+
+
+class _Nanobatch:
+    """The six pieces of one nanobatch, built in the forward and, where they were not
+    kept, again in the backward from the saved inputs (`build`)."""
+
+    def __init__(self, ops: TPLayerOps, x: Tensor) -> None:
+        self.ops, self.x = ops, x
+        self.pieces: dict[str, _Piece] = {}
+        self.reduced: dict[str, Tensor] = {}
+        """The all-reduced core outputs (the residuals' second input)."""
+
+    def attention(self, before: Before) -> Tensor:
+        """The attention norm and core: the partial output projection."""
+        ops = self.ops
+        before("residual_mlp")
+        before("input_norm")
+        x = _leaf(self.x)
+        a = ops.attn_norm(x)
+        self.pieces["attn_norm"] = _Piece([x], a)
+        a_in = _leaf(a)
+        taps: Taps = {}
+        p = ops.attn_partial(a_in, before, taps)
+        self.pieces["attn_core"] = _Piece([a_in], p, taps)
+        return p
+
+    def attn_residual(self, reduced: Tensor, before: Before) -> Tensor:
+        self.reduced["attn"] = reduced
+        before("residual_attn")
+        x, r = _leaf(self.x), _leaf(reduced)
+        h = self.ops.attn_residual(x, r)
+        self.pieces["attn_res"] = _Piece([x, r], h)
+        self.h = h.detach()
+        return self.h
+
+    def mlp(self, before: Before) -> Tensor:
+        """The MLP norm and core: the partial FC2 output."""
+        ops = self.ops
+        before("pre_mlp_norm")
+        h = _leaf(self.h)
+        bn = ops.mlp_norm(h)
+        self.pieces["mlp_norm"] = _Piece([h], bn)
+        bn_in = _leaf(bn)
+        taps: Taps = {}
+        m = ops.mlp_partial(bn_in, before, taps)
+        self.pieces["mlp_core"] = _Piece([bn_in], m, taps)
+        return m
+
+    def mlp_residual(self, reduced: Tensor) -> Tensor:
+        self.reduced["mlp"] = reduced
+        h, r = _leaf(self.h), _leaf(reduced)
+        y = self.ops.mlp_residual(h, r)
+        self.pieces["mlp_res"] = _Piece([h, r], y)
+        return y.detach()
+
+    def build(self, names: Sequence[str]) -> None:
+        """The pieces ``names`` (of one of the halves, attention or MLP) with their graphs,
+        from the saved inputs: where the forward kept none."""
+        if all(n in self.pieces for n in names):
+            return
+        with torch.enable_grad():
+            if names[0] == "attn_norm":
+                self.attention(_never)
+                self.attn_residual(self.reduced["attn"], _never)
+            else:
+                self.mlp(_never)
+                self.mlp_residual(self.reduced["mlp"])
+
+    def drop(self) -> None:
+        """Forget the pieces (recompute mode keeps only the inputs across the pass)."""
+        self.pieces.clear()
+
+
+def _never(_name: str) -> None:
+    return None
+
+
+class _Grads:
+    """Differentiates pieces, summing the parameters' gradients."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.params = list(params)
+        self.sums: list[Tensor | None] = [None] * len(self.params)
+
+    def __call__(self, piece: _Piece, grad: Tensor) -> list[Tensor]:
+        """The gradients of the piece's inputs; its parameters' are added to the sums."""
+        wanted = [*piece.inputs, *(p for p in self.params if p.requires_grad)]
+        got = torch.autograd.grad(piece.output, wanted, grad, allow_unused=True)
+        n = len(piece.inputs)
+        trained = (i for i, p in enumerate(self.params) if p.requires_grad)
+        for i, g in zip(trained, got[n:]):
+            if g is not None:
+                s = self.sums[i]
+                self.sums[i] = g if s is None else s + g
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(piece.inputs, got)]
 
 
 class OverlappedTP(torch.autograd.Function):
+    """``OverlappedTP.apply(x, ops, plan, keep_graphs, *params)``: the layer's output;
+    ``params`` are every parameter the ops use (their gradients are returned)."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: OverlapLayer, plan: LayerPlan,
-                *params: torch.Tensor) -> torch.Tensor:
-        x0, x1 = x.detach().chunk(2, dim=0)
-        coll = PartitionCollectives(layer, plan)
-        with torch.no_grad():
-            # P0: nb0.attn (solo)
-            p0 = attn_segment(layer, x0, None, None)
-            c0 = coll("all_reduce", p0, "fwd_attn")
-            # P1: nb1.attn + AR(p0)
-            p1 = attn_segment(layer, x1, plan.launch_op("fwd_attn"), c0)
-            r0 = c0.wait()
-            c1 = coll("all_reduce", p1, "fwd_mlp")
-            # P2: nb0.mlp + AR(p1)
-            h0, m0 = mlp_segment(layer, x0, r0, plan.launch_op("fwd_mlp"), c1)
-            r1 = c1.wait()
-            c2 = coll("all_reduce", m0, "fwd_mlp")
-            # P3: nb1.mlp + AR(m0)
-            h1, m1 = mlp_segment(layer, x1, r1, plan.launch_op("fwd_mlp"), c2)
-            r2 = c2.wait()
-            r3 = coll("all_reduce", m1, "fwd_mlp").wait()  # exposed
-            y = torch.cat([h0 + r2, h1 + r3], dim=0)
-        ctx.layer, ctx.plan = layer, plan
-        ctx.save_for_backward(x0, x1, h0, h1)
+    def forward(ctx: Any, x: Tensor, ops: TPLayerOps, plan: LayerPlan, keep_graphs: bool,
+                *params: Tensor) -> Tensor:
+        dim = ops.batch_dim
+        if x.shape[dim] < 2 or x.shape[dim] % 2:
+            raise ValueError(f"the partitioned overlap splits the batch (dimension {dim}) "
+                             f"into two nanobatches: it needs an even size, not "
+                             f"{x.shape[dim]}")
+        nbs = [_Nanobatch(ops, half) for half in x.detach().chunk(2, dim=dim)]
+        collective = _Collectives(ops, plan)
+        with torch.enable_grad() if keep_graphs else torch.no_grad():
+            y = _forward(nbs, collective, plan, dim)
+        if not keep_graphs:
+            for nb in nbs:
+                nb.drop()
+        ctx.nbs, ctx.ops, ctx.plan, ctx.dim = nbs, ops, plan, dim
+        ctx.params = params
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x0, x1, h0, h1 = ctx.saved_tensors
-        run = _Backward(ctx.layer, ctx.plan)
-        dx = run(x0, x1, h0, h1, dy)
-        return (dx, None, None, *run.grads.ordered())
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        nbs: list[_Nanobatch] = ctx.nbs
+        grads = _Grads(ctx.params)
+        dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads,
+                       dy.chunk(2, dim=ctx.dim), ctx.dim)
+        ctx.nbs = None  # the graphs go with the pass
+        return (dx, None, None, None, *grads.sums)
 
 
-class _Backward:
-    """The backward partitions of `OverlappedTP` in order, summing parameter gradients."""
+class _Collectives:
+    """The all-reduce of a partition, on the group for the SMs the plan gives it."""
 
-    def __init__(self, layer: OverlapLayer, plan: LayerPlan) -> None:
-        self.layer, self.plan = layer, plan
-        self.coll = PartitionCollectives(layer, plan)
-        self.grads = GradientSums(layer_params(layer))
+    def __init__(self, ops: TPLayerOps, plan: LayerPlan) -> None:
+        self.ops, self.plan = ops, plan
 
-    def __call__(self, x0: torch.Tensor, x1: torch.Tensor, h0: torch.Tensor,
-                 h1: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        coll, plan = self.coll, self.plan
-        dy0, dy1 = dy.chunk(2, dim=0)
-        mlp_launch = plan.launch_op("bwd_mlp")
-        attn_launch = plan.launch_op("bwd_attn")
-        # B0: nb0.mlp' (solo)
-        db0 = self.mlp(h0, dy0, None, None)
-        c0 = coll("all_reduce", db0, "bwd_mlp")
-        # B1: nb1.mlp' + AR(db0)
-        db1 = self.mlp(h1, dy1, c0, mlp_launch)
-        db0_full = c0.wait()
-        c1 = coll("all_reduce", db1, "bwd_attn")
-        # B2: nb0.attn' + AR(db1)
-        dh0, da0 = self.attn(x0, h0, dy0, db0_full, c1, attn_launch)
-        db1_full = c1.wait()
-        c2 = coll("all_reduce", da0, "bwd_attn")
-        # B3: nb1.attn' + AR(da0)
-        dh1, da1 = self.attn(x1, h1, dy1, db1_full, c2, attn_launch)
-        da0_full = c2.wait()
-        da1_full = coll("all_reduce", da1, "bwd_attn").wait()  # exposed
-        return torch.cat([self.input_norm(x0, dh0, da0_full),
-                          self.input_norm(x1, dh1, da1_full)], dim=0)
+    def __call__(self, tensor: Tensor, key: str) -> Pending:
+        # reduced in place: a copy where the tensor is a kept graph's output
+        t = tensor.detach().clone() if tensor.requires_grad else tensor
+        return Pending("all_reduce", t, self.ops.group, self.plan.sms(key),
+                       self.ops.groups_by_sms)
 
-    def mlp(self, h: torch.Tensor, dy: torch.Tensor, pending: Pending | None,
-            launch: str | None) -> torch.Tensor:
-        """nbX.mlp': fc2, swiglu, fc1 backward -> partial d(norm2 output)."""
-        layer = self.layer
-        with torch.enable_grad():
-            bn = rmsnorm(h, layer.norm2).detach().requires_grad_(True)
-            taps: Taps = {}
-            m = layer.mlp_core(bn, taps)
-            hook_backward_slot(taps, launch, pending)
-            g = torch.autograd.grad(m, [bn, layer.w1, layer.w2], dy)
-        self.grads.add([layer.w1, layer.w2], g[1:])
-        return g[0]
 
-    def attn(self, x: torch.Tensor, h: torch.Tensor, dy: torch.Tensor,
-             db_full: torch.Tensor, pending: Pending | None, launch: str | None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """nbX.attn': norm2 backward + residual, then out_proj, attention, rope, qkv
-        backward -> d(h) and partial d(norm1 output)."""
-        layer = self.layer
-        if pending is not None and launch in ("pre_mlp_norm_bwd", "residual_attn_bwd"):
-            pending.issue()
-        gh, gn2 = norm_backward(h, layer.norm2, db_full)
-        dh = dy + gh
-        self.grads.add([layer.norm2], [gn2])
-        with torch.enable_grad():
-            a = rmsnorm(x, layer.norm1).detach().requires_grad_(True)
-            taps: Taps = {}
-            p = layer.attn_core(a, taps)
-            hook_backward_slot(taps, launch, pending)
-            g = torch.autograd.grad(p, [a, layer.wqkv, layer.wo], dh)
-        self.grads.add([layer.wqkv, layer.wo], g[1:])
-        return dh, g[0]
+def _slot(pending: Pending | None, launch_op: str | None) -> Before:
+    return lambda name: issue_before(pending, launch_op, name)
 
-    def input_norm(self, x: torch.Tensor, dh: torch.Tensor, da_full: torch.Tensor
-                   ) -> torch.Tensor:
-        gx, gn1 = norm_backward(x, self.layer.norm1, da_full)
-        self.grads.add([self.layer.norm1], [gn1])
-        return dh + gx
+
+def _issue(pending: Pending | None) -> None:
+    """Slot "none": after the partition's last compute op."""
+    if pending is not None:
+        pending.issue()
+
+
+def _forward(nbs: list[_Nanobatch], collective: _Collectives, plan: LayerPlan, dim: int
+             ) -> Tensor:
+    nb0, nb1 = nbs
+    attn_op, mlp_op = plan.launch_op("fwd_attn"), plan.launch_op("fwd_mlp")
+    # P0: nb0.attn (solo)
+    c0 = collective(nb0.attention(_never), "fwd_attn")
+    # P1: nb1.attn + AR(nb0.attn)
+    p1 = nb1.attention(_slot(c0, attn_op))
+    _issue(c0)
+    r0 = c0.wait()
+    c1 = collective(p1, "fwd_mlp")
+    # P2: nb0.mlp + AR(nb1.attn)
+    before = _slot(c1, mlp_op)
+    nb0.attn_residual(r0, before)
+    m0 = nb0.mlp(before)
+    _issue(c1)
+    r1 = c1.wait()
+    c2 = collective(m0, "fwd_mlp")
+    # P3: nb1.mlp + AR(nb0.mlp)
+    before = _slot(c2, mlp_op)
+    nb1.attn_residual(r1, before)
+    m1 = nb1.mlp(before)
+    _issue(c2)
+    r2 = c2.wait()
+    r3 = collective(m1, "fwd_mlp").wait()  # exposed
+    return torch.cat([nb0.mlp_residual(r2), nb1.mlp_residual(r3)], dim=dim)
+
+
+def _backward(nbs: list[_Nanobatch], collective: _Collectives, plan: LayerPlan,
+              grads: _Grads, dys: tuple[Tensor, ...], dim: int) -> Tensor:
+    nb0, nb1 = nbs
+    mlp_launch, attn_launch = plan.launch_op("bwd_mlp"), plan.launch_op("bwd_attn")
+    # B0: nb0.mlp' (solo)
+    db0, dh0 = _mlp_backward(nb0, dys[0], grads, None, None)
+    c0 = collective(db0, "bwd_mlp")
+    # B1: nb1.mlp' + AR(db0)
+    db1, dh1 = _mlp_backward(nb1, dys[1], grads, c0, mlp_launch)
+    _issue(c0)
+    db0_full = c0.wait()
+    c1 = collective(db1, "bwd_attn")
+    # B2: nb0.attn' + AR(db1)
+    dx0, da0 = _attn_backward(nb0, dh0, db0_full, grads, c1, attn_launch)
+    _issue(c1)
+    db1_full = c1.wait()
+    c2 = collective(da0, "bwd_attn")
+    # B3: nb1.attn' + AR(da0)
+    dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, attn_launch)
+    _issue(c2)
+    da0_full = c2.wait()
+    da1_full = collective(da1, "bwd_attn").wait()  # exposed
+    return torch.cat([_input_norm_backward(nb0, dx0, da0_full, grads),
+                      _input_norm_backward(nb1, dx1, da1_full, grads)], dim=dim)
+
+
+def _mlp_backward(nb: _Nanobatch, dy: Tensor, grads: _Grads, pending: Pending | None,
+                  launch: str | None) -> tuple[Tensor, Tensor]:
+    """nbX.mlp': the MLP residual and core backward -> partial d(MLP norm output) and the
+    residual's d(h)."""
+    nb.build(PIECES[3:])
+    core = nb.pieces["mlp_core"]
+    hook_backward_slot(core.taps, launch, pending)
+    dh, dm = grads(nb.pieces["mlp_res"], dy)
+    db, = grads(core, dm)
+    return db, dh
+
+
+def _attn_backward(nb: _Nanobatch, dh_res: Tensor, db_full: Tensor, grads: _Grads,
+                   pending: Pending | None, launch: str | None) -> tuple[Tensor, Tensor]:
+    """nbX.attn': the MLP norm backward, the attention residual and core backward -> the
+    residual's d(x) and partial d(attention norm output)."""
+    if pending is not None and launch in NORM_SLOTS_BWD:
+        pending.issue()
+    gh, = grads(nb.pieces["mlp_norm"], db_full)
+    nb.build(PIECES[:3])
+    core = nb.pieces["attn_core"]
+    hook_backward_slot(core.taps, launch if launch in BACKWARD_TAPS else None, pending)
+    dx, dr = grads(nb.pieces["attn_res"], dh_res + gh)
+    da, = grads(core, dr)
+    return dx, da
+
+
+def _input_norm_backward(nb: _Nanobatch, dx_res: Tensor, da_full: Tensor, grads: _Grads
+                         ) -> Tensor:
+    gx, = grads(nb.pieces["attn_norm"], da_full)
+    return dx_res + gx

@@ -1,0 +1,277 @@
+"""Train a tiny GPT with Megatron-Core at TP=2, every decoder layer a Kareus layer running
+a Kareus plan: its partitioned overlap (two nanobatches, each tensor-parallel all-reduce
+issued before the compute op the plan names, on the group for the plan's SMs under NCCL)
+and its clock per pipeline instruction (a dry-run frequency controller: it logs, never
+touches a clock).
+
+    kareus optimize --config examples/megatron_gpt.yaml --out runs/megatron-gpt
+    kareus plan list --result runs/megatron-gpt
+    kareus plan export --result runs/megatron-gpt --plan ID --format json --out plan.json
+    python examples/megatron_gpt.py --plan plan.json --compare-plain --clock-log clocks/
+    python examples/megatron_gpt.py --backend nccl --plan plan.json   # GPUs, NCCL
+
+The model is the plan's job's (examples/megatron_gpt.yaml by default, without --plan: the
+plain Megatron layer). --compare-plain builds a second model from the same initialisation
+with Megatron's own layer spec and, at every step, computes its loss and gradients on the
+Kareus model's parameters; it prints one JSON line with the largest relative error of the
+losses and of every gradient (each parameter's, against its largest element) over the
+steps and the ranks. The example drives each microbatch's forward
+and backward itself, in the 1F1B order of one stage; `MegatronPlan` follows them through
+hooks on the model, exactly as it follows Megatron's own pipeline schedule (which creates
+CUDA tensors, so it runs on GPUs only).
+
+On the CPU: Megatron's DotProductAttention and RotaryEmbedding allocate on CUDA, so the
+layers use an SDPA core attention (kareus.integrations.megatron.cpu, the same function) and
+the model learned absolute positions instead of RoPE; on GPUs, Megatron's own attention
+and RoPE. The CPU run checks numerics and wiring, not time or energy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import warnings
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    import torch.nn.functional as F
+except ImportError:
+    sys.stderr.write("megatron_gpt: this example needs PyTorch and Megatron-Core: pip "
+                     "install torch --index-url https://download.pytorch.org/whl/cpu "
+                     "(CPU), then pip install -e '.[megatron]'\n")
+    sys.exit(2)
+
+EXAMPLE_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_gpt.yaml")
+
+
+def fail(msg: str) -> None:
+    sys.stderr.write(f"megatron_gpt: error: {msg}\n")
+    sys.exit(2)
+
+
+def load(args: argparse.Namespace):
+    """The job (the plan's, or the example's) and the plan (None without --plan)."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        fail("this example needs Megatron-Core: pip install -e '.[megatron]'")
+    from kareus.errors import KareusError
+    from kareus.integrations.megatron.plan import MegatronPlan
+    from kareus.job.sources import build_job
+
+    try:
+        if args.plan:
+            plan = MegatronPlan.from_file(args.plan, stage=0)
+            job = plan.job
+        else:
+            plan, job = None, build_job(config=EXAMPLE_JOB)
+    except KareusError as exc:
+        fail(str(exc))
+    if job.pp != 1:
+        fail(f"the plan's job has {job.pp} pipeline stages; this example runs one stage "
+             f"(pp: 1)")
+    if job.tp != args.tp:
+        fail(f"--tp {args.tp}, but the plan's job has tp {job.tp}")
+    return job, plan
+
+
+def config(job, tp: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m = job.model
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_kv_heads,
+        kv_channels=m.head_dim, ffn_hidden_size=m.ffn_hidden_size,
+        use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, params_dtype=torch.float32,
+        bf16=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp)
+
+
+def build(job, tp: int, kareus: bool, cpu: bool, seed: int):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
+    from kareus.integrations.megatron.spec import kareus_layer_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if cpu:
+        spec = with_core_attention(spec, SDPACoreAttention)
+    if kareus:
+        spec = kareus_layer_spec(spec)
+    torch.manual_seed(seed)  # the same initialisation for both models
+    model = GPTModel(config(job, tp), spec, vocab_size=job.model.vocab_size,
+                     max_sequence_length=job.seq_length,
+                     position_embedding_type="learned_absolute" if cpu else "rope")
+    return model if cpu else model.cuda()
+
+
+def microbatches_of(model, data, pos) -> tuple[float, dict]:
+    """Every microbatch's forward then backward (1F1B on one stage): the mean loss and
+    the gradients by parameter name."""
+    model.zero_grad()
+    total = 0.0
+    n = data.shape[0]
+    for m in range(n):
+        tokens = data[m]
+        loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
+        (loss / n).backward()
+        total += float(loss) / n
+    return total, {name: p.grad.detach().clone() for name, p in model.named_parameters()
+                   if p.grad is not None}
+
+
+def train(model, data, steps: int, lr: float, plan=None, reference=None):
+    """``steps`` optimizer steps of ``model``: the losses, and with a ``reference`` model,
+    per step the largest relative errors of the loss and of every gradient against it,
+    computed on the same parameters (copied into it before the step: Adam would otherwise
+    amplify rounding differences of the first step into the next steps' weights)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch, seq = data.shape[1], data.shape[2] - 1
+    pos = torch.arange(seq, device=data.device).expand(batch, seq)
+    losses, errors = [], []
+    for _ in range(steps):
+        loss, grads = microbatches_of(model, data, pos)
+        if plan is not None:
+            plan.check_complete()
+        if reference is not None:
+            with torch.no_grad():
+                for (n, p), (rn, q) in zip(model.named_parameters(),
+                                           reference.named_parameters()):
+                    if n != rn:
+                        raise RuntimeError(f"the models' parameters differ: {n} / {rn}")
+                    q.copy_(p)
+            ref_loss, ref_grads = microbatches_of(reference, data, pos)
+            if set(grads) != set(ref_grads):
+                raise RuntimeError("the two models' gradients differ in their parameters")
+            errors.append((abs(loss - ref_loss) / abs(ref_loss),
+                           max(float(((grads[n] - ref_grads[n]).abs().max()
+                                      / ref_grads[n].abs().max().clamp_min(1e-30)).item())
+                               for n in ref_grads)))
+        opt.step()
+        losses.append(loss)
+    return losses, errors
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cpu = args.backend == "gloo"
+    if not cpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(args.backend, rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from kareus.integrations.megatron.plan import MegatronPlan
+    from kareus.runtime.frequency_controller import FrequencyController
+
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=cpu)
+        job, _ = load(args)
+        g = torch.Generator().manual_seed(args.seed + 1)
+        data = torch.randint(0, job.model.vocab_size,
+                             (job.num_microbatches, job.micro_batch_size, job.seq_length + 1),
+                             generator=g)
+        data = data if cpu else data.cuda()
+        model = build(job, world, kareus=True, cpu=cpu, seed=args.seed)
+        reference = (build(job, world, kareus=False, cpu=cpu, seed=args.seed)
+                     if args.compare_plain else None)
+        plan = None
+        if args.plan:
+            log = clock_log(args.clock_log, rank)
+            with open(log, "w"):  # this run's clocks only (the controller appends)
+                pass
+            plan = MegatronPlan.from_file(args.plan, stage=0)
+            plan.controller = controller = FrequencyController(
+                plan.plan.execution, stage=0, dry_run=True, log_path=log)
+            plan.attach(model)
+            if args.nccl_sms and not cpu:
+                from kareus.integrations.megatron.groups import tp_groups_by_sms
+
+                groups = tp_groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
+                                          plan.sms_used())
+                for layer in plan.layers:
+                    layer.kareus_groups_by_sms = groups
+            with controller:
+                losses, errors = train(model, data, args.steps, args.lr, plan, reference)
+        else:
+            losses, errors = train(model, data, args.steps, args.lr, None, reference)
+        if rank == 0:
+            for step, loss in enumerate(losses):
+                print(f"step {step} loss {loss:.6f}", flush=True)
+            if plan is not None:
+                overlapped = sum(1 for _m, _d, lp in plan.log if lp is not None)
+                print(f"plan {plan.plan.id}: {overlapped} of {len(plan.log)} instructions "
+                      f"ran the partitioned overlap, the others Megatron's layer",
+                      flush=True)
+        if reference is not None:
+            worst = torch.tensor([max(e[0] for e in errors), max(e[1] for e in errors)],
+                                 dtype=torch.float64, device=data.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                print(json.dumps({"schema_version": 1, "plan": plan.plan.id if plan else None,
+                                  "steps": args.steps, "ranks": world,
+                                  "max_rel_err_loss": float(worst[0]),
+                                  "max_rel_err_grad": float(worst[1])}), flush=True)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def clock_log(directory: str, rank: int | str) -> str:
+    """Rank ``rank``'s dry-run clock log in ``directory``."""
+    return os.path.join(directory, f"kareus-megatron-clocks-rank{rank}.log")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--plan", help="a Kareus plan file (kareus plan export --format json)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--compare-plain", action="store_true",
+                    help="also train Megatron's own layer spec and print the largest "
+                         "relative errors (one JSON line)")
+    ap.add_argument("--clock-log", metavar="DIR",
+                    help="directory of the dry-run frequency controller's logs (one per "
+                         "rank: direction, microbatch, MHz per instruction; default: a new "
+                         "temporary directory)")
+    ap.add_argument("--no-nccl-sms", dest="nccl_sms", action="store_false",
+                    help="under NCCL, run every collective on the layer's own TP group "
+                         "instead of one communicator per SM count of the plan")
+    args = ap.parse_args()
+    if args.tp < 1 or args.steps < 1:
+        fail("--tp and --steps must be at least 1")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        fail("--backend nccl needs CUDA GPUs; on the CPU use --backend gloo")
+    load(args)  # a bad plan or job is one line here, not a traceback in every worker
+    if args.plan:
+        if args.clock_log:
+            try:
+                os.makedirs(args.clock_log, exist_ok=True)
+            except OSError as exc:
+                fail(f"--clock-log {args.clock_log}: {exc.strerror}")
+        else:
+            args.clock_log = tempfile.mkdtemp(prefix="kareus-megatron-clocks-")
+        print(f"clock log (dry run, one file per rank): {clock_log(args.clock_log, '<N>')}",
+              flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.tp, port, args), nprocs=args.tp, join=True)
+
+
+if __name__ == "__main__":
+    main()

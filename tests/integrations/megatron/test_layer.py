@@ -1,0 +1,334 @@
+"""The Kareus layer in Megatron-Core (issue 22), on the CPU over gloo, 2 processes, TP=2,
+fp32: its output and every parameter and input gradient equal Megatron's own
+`TransformerLayer` from the same initialisation, for plans over every launch slot of every
+partition, with no overlap, and under recompute (through torch's reentrant checkpoint, and
+through Megatron's own block with full recompute); the tensor-parallel all-reduces all
+come from the schedule (Megatron's are off while it runs); a 2-layer GPTModel trains 3 steps
+with the plain spec's losses. CPU runs check numerics and wiring, never time or energy.
+
+One spawn computes everything (Megatron takes seconds to import); the tests read its
+results.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kareus.core import PartitionSetting  # noqa: E402
+from kareus.job.sources import build_job  # noqa: E402
+from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
+from kareus.workload.workload import Workload  # noqa: E402
+
+HIDDEN, HEADS, GROUPS, FFN, SEQ, BATCH = 64, 4, 2, 128, 16, 4
+JOB = build_job(overrides=dict(
+    model=dict(name="tiny", hidden_size=HIDDEN, num_layers=2, num_attention_heads=HEADS,
+               num_kv_heads=GROUPS, head_dim=HIDDEN // HEADS, ffn_hidden_size=FFN,
+               vocab_size=128),
+    tp=2, pp=1, micro_batch_size=BATCH, seq_length=SEQ, gpus_per_node=2, nodes=1))
+PARTS = Workload.build(JOB).partitions.partitions
+MOST_SLOTS = max(len(p.slots) for p in PARTS.values())
+PLANS = {"no overlap": {k: PartitionSetting(3, None) for k in PARTS}}
+for i in range(MOST_SLOTS):  # every slot of every key, SMs varying
+    PLANS[f"slot {i}"] = {k: PartitionSetting(3 * (i + 1), p.slots[min(i, len(p.slots) - 1)]
+                                              .name) for k, p in PARTS.items()}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(**extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, params_dtype=torch.float32, bf16=False, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=2, **extra)
+
+
+def _specs():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
+    from kareus.integrations.megatron.spec import kareus_layer_spec
+
+    plain = with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"),
+                                SDPACoreAttention)
+    return plain, kareus_layer_spec(plain)
+
+
+def _rel(a, b) -> float:
+    return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+
+
+class _Counter:
+    """Counts torch.distributed.all_reduce calls (Megatron's and the schedule's)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._orig = dist.all_reduce
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return self._orig(*args, **kwargs)
+
+
+def _layer_run(layer, x, dy, emb, checkpoint=False):
+    layer.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    if checkpoint:  # full recompute, as Megatron's block does it (reentrant)
+        out = torch.utils.checkpoint.checkpoint(
+            lambda h: layer(h, attention_mask=None, rotary_pos_emb=emb)[0], xi,
+            use_reentrant=True, preserve_rng_state=False)
+    else:
+        out, _ = layer(xi, attention_mask=None, rotary_pos_emb=emb)
+    out.backward(dy)
+    return [out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.integrations.megatron.cpu import rotary_embedding
+    from kareus.integrations.megatron.layer import KareusTransformerLayer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    res: dict = {}
+    try:
+        cfg = _config()
+        plain_spec, kareus_spec = _specs()
+        torch.manual_seed(0)
+        plain = build_module(plain_spec, config=cfg, layer_number=1)
+        torch.manual_seed(0)
+        kareus = build_module(kareus_spec, config=cfg, layer_number=1)
+        res["class"] = type(kareus).__name__
+        res["same_names"] = ([n for n, _ in plain.named_parameters()]
+                             == [n for n, _ in kareus.named_parameters()])
+        res["same_params"] = all(torch.equal(a, b) for a, b in
+                                 zip(plain.parameters(), kareus.parameters()))
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        emb = rotary_embedding(HIDDEN // HEADS, SEQ)
+
+        counter = _Counter()
+        dist.all_reduce = counter
+        try:
+            ref = _layer_run(plain, x, dy, emb)
+            res["all_reduces_plain"] = counter.n
+            counter.n = 0
+            res["unset_equals_plain"] = max(_rel(a, b) for a, b in
+                                            zip(_layer_run(kareus, x, dy, emb), ref))
+            res["all_reduces_unset"] = counter.n
+            worst = {}
+            for name, knobs in PLANS.items():
+                kareus.set_kareus_plan(LayerPlan.from_partitions(PARTS, knobs))
+                counter.n = 0
+                got = _layer_run(kareus, x, dy, emb)
+                res[f"all_reduces {name}"] = counter.n
+                worst[name] = max(_rel(a, b) for a, b in zip(got, ref))
+            res["worst"] = worst
+        finally:
+            dist.all_reduce = counter._orig
+
+        # recompute through torch's reentrant checkpoint: the forward runs twice (no grad,
+        # then with grad), the backward uses the second run's graphs: norms run 2 x 2
+        calls = []
+        kareus.input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+        kareus.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 1"]))
+        ref_ck = _layer_run(plain, x, dy, emb, checkpoint=True)
+        calls.clear()
+        got = _layer_run(kareus, x, dy, emb, checkpoint=True)
+        res["recompute_norm_calls"] = len(calls)
+        res["recompute_worst"] = max(_rel(a, b) for a, b in zip(got, ref))
+        res["recompute_plain_vs_plain"] = max(_rel(a, b) for a, b in zip(ref_ck, ref))
+        res["unsplittable"] = _refusal(lambda: _layer_run(kareus, x[:, :3], dy[:, :3], emb))
+        kareus.set_kareus_plan(None)
+
+        res.update(_block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb))
+        res.update(_train_gpt(plain_spec, kareus_spec))
+        res["refusals"] = _refusals(kareus_spec)
+        assert isinstance(kareus, KareusTransformerLayer)
+    finally:
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> dict:
+    """Megatron's own TransformerBlock with recompute_granularity="full" (uniform, one
+    layer per chunk). Its CheckpointFunction saves the CUDA RNG state, which a CPU build
+    has not: Megatron's two RNG-state helpers are swapped for no-ops here (torch.cuda is
+    not touched; the CPU RNG state is still saved and restored)."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+    )
+
+    saved = mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    out = {}
+    try:
+        runs = {}
+        for name, spec, recompute in (("plain", plain_spec, False),
+                                      ("kareus", kareus_spec, True)):
+            c = _config(**({"recompute_granularity": "full", "recompute_method": "uniform",
+                            "recompute_num_layers": 1} if recompute else {}))
+            torch.manual_seed(1)
+            block = TransformerBlock(c, TransformerBlockSubmodules(layer_specs=[spec] * 2),
+                                     post_layer_norm=False)
+            calls = []
+            for layer in block.layers:
+                layer.input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+                if name == "kareus":
+                    layer.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 2"]))
+            xi = x.clone().requires_grad_(True)
+            y = block(xi, attention_mask=None, rotary_pos_emb=emb)
+            y.backward(dy)
+            runs[name] = [y.detach(), xi.grad] + [p.grad.clone() for p in block.parameters()]
+            out[f"block_norm_calls_{name}"] = len(calls)
+        out["block_recompute_worst"] = max(_rel(a, b) for a, b in
+                                           zip(runs["kareus"], runs["plain"]))
+    finally:
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved
+    return out
+
+
+def _train_gpt(plain_spec, kareus_spec) -> dict:
+    """A 2-layer GPTModel, 3 AdamW steps, plain spec against Kareus spec with a plan.
+    Learned absolute positions: Megatron's RoPE moves its frequencies to CUDA in GPTModel
+    (the layer tests above run RoPE)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    losses = {}
+    for name, spec in (("plain", plain_spec), ("kareus", kareus_spec)):
+        torch.manual_seed(2)
+        model = GPTModel(_config(), spec, vocab_size=128, max_sequence_length=SEQ,
+                         position_embedding_type="learned_absolute")
+        if name == "kareus":
+            for layer in model.decoder.layers:
+                layer.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 3"]))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(5)
+        tokens = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
+        pos = torch.arange(SEQ).expand(BATCH, SEQ)
+        got = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
+            loss.backward()
+            opt.step()
+            got.append(float(loss))
+        losses[name] = got
+    return {"losses": losses}
+
+
+def _refusals(kareus_spec) -> dict:
+    """A plan on a layer whose configuration it cannot run. Sequence and context
+    parallelism cannot even be built on the CPU (their norms and groups need CUDA or more
+    ranks), so the layer is built plain and its configuration then says so."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    out = {}
+    for what, extra in (("sequence parallel", {"sequence_parallel": True}),
+                        ("context parallel", {"context_parallel_size": 2}),
+                        ("selective recompute", {"recompute_granularity": "selective"})):
+        torch.manual_seed(0)
+        layer = build_module(kareus_spec, config=_config(), layer_number=1)
+        layer.config = copy.copy(layer.config)
+        for key, value in extra.items():
+            setattr(layer.config, key, value)
+        out[what] = _refusal(lambda layer=layer: layer.set_kareus_plan(
+            LayerPlan.from_partitions(PARTS, PLANS["slot 0"])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_the_kareus_spec_builds_megatron_s_own_parameters(results):
+    for res in results:
+        assert res["class"] == "KareusTransformerLayer"
+        assert res["same_names"] and res["same_params"]
+
+
+def test_without_a_plan_the_layer_is_megatron_s(results):
+    for res in results:
+        assert res["unset_equals_plain"] == 0.0
+        assert res["all_reduces_unset"] == res["all_reduces_plain"] == 4
+
+
+def test_every_plan_equals_megatron_s_layer(results):
+    assert len(PLANS) >= 4  # no overlap, and every slot index
+    for rank, res in enumerate(results):
+        assert set(res["worst"]) == set(PLANS)
+        for name, err in res["worst"].items():
+            assert err < 1e-5, (rank, name, err)
+            # the schedule's 4 all-reduces per nanobatch, Megatron's own off
+            assert res[f"all_reduces {name}"] == 8, (name, res[f"all_reduces {name}"])
+
+
+def test_recompute_equals_and_computes_nothing_twice(results):
+    for res in results:
+        assert res["recompute_plain_vs_plain"] == 0.0
+        assert res["recompute_worst"] < 1e-5
+        assert res["recompute_norm_calls"] == 4  # 2 nanobatches x (forward, recompute)
+
+
+def test_megatron_s_block_with_full_recompute(results):
+    for res in results:
+        assert res["block_recompute_worst"] < 1e-5
+        assert res["block_norm_calls_plain"] == 2  # 2 layers, no recompute
+        assert res["block_norm_calls_kareus"] == 8  # 2 layers x 2 nanobatches x 2 passes
+
+
+def test_a_gpt_model_trains_with_the_plain_losses(results):
+    for res in results:
+        plain, kareus = res["losses"]["plain"], res["losses"]["kareus"]
+        assert plain[-1] < plain[0]
+        assert kareus == pytest.approx(plain, rel=1e-5)
+
+
+def test_unsupported_configurations_are_refused_in_one_line(results):
+    for res in results:
+        for what, msg in res["refusals"].items():
+            assert msg.startswith("SpecError: a Kareus plan cannot run with"), (what, msg)
+            assert "supported: tensor parallelism without sequence parallelism" in msg
+            assert "\n" not in msg
+        assert "even size" in results[0]["unsplittable"]
