@@ -47,6 +47,10 @@ except ImportError:
                      "(CPU), then pip install -e '.[megatron]'\n")
     sys.exit(2)
 
+# Megatron-Core says at import that it falls back to its own kernels without Transformer
+# Engine and Apex (always so on the CPU): said once here, in the docstring, not per rank
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+
 EXAMPLE_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_gpt.yaml")
 
 
@@ -162,7 +166,8 @@ def train(model, data, steps: int, lr: float, plan=None, reference=None):
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not "
+                                              "installed")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cpu = args.backend == "gloo"
     if not cpu:

@@ -2,6 +2,8 @@
 function sizes, and no import cycle between modules (function-local imports included)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -110,3 +112,25 @@ def test_the_name_check_finds_a_comparison():
 def test_the_top_level_holds_at_most_ten_modules():
     modules = [p.stem for p in SRC.glob("*.py") if p.stem != "__init__"]
     assert len(modules) <= 10, modules
+
+
+def test_only_the_megatron_integration_imports_megatron():
+    """`import kareus` (and the CLI, the runtime) never imports Megatron-Core: it is an
+    optional extra, and kareus.runtime stays free of framework imports (issue 22)."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if "integrations" in path.relative_to(SRC).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(SRC)}: {n}" for n in names
+                          if n.split(".")[0] == "megatron"]
+    assert not offenders
+    code = ("import sys, kareus, kareus.cli, kareus.integrations, "
+            "kareus.integrations.megatron, kareus.runtime.layer_plan; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

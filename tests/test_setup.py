@@ -29,11 +29,12 @@ def test_ci_runs_the_readme_test_command_first_without_torch_then_with_it():
     lines = _ci_lines()
     runs = [i for i, ln in enumerate(lines) if ln == cmd]
     torch = [i for i, ln in enumerate(lines) if re.search(r"pip install .*\btorch\b", ln)]
-    extras = [i for i, ln in enumerate(lines) if "pip install" in ln and "[gpu,ray]" in ln]
+    extras = [i for i, ln in enumerate(lines)
+              if "pip install" in ln and "[gpu,ray,megatron]" in ln]
     assert len(runs) == 2, "CI runs the README's test command twice"
     assert torch and extras
     assert runs[0] < min(torch + extras), "the first run is in a venv without PyTorch"
-    assert max(torch + extras) < runs[1], "the second has PyTorch, gpu and ray"
+    assert max(torch + extras) < runs[1], "the second has PyTorch, gpu, ray and megatron"
 
 
 def test_the_test_extra_does_not_pull_torch():

@@ -8,8 +8,9 @@ blocking collectives (kareus.runtime.primitives). With a `LayerPlan` (``layer(x,
 it splits the microbatch into two nanobatches and runs Kareus's partitions: one custom
 autograd Function owns the whole schedule (kareus.runtime.overlap_tp over the layer's
 ops, or overlap_cp with context parallelism). Each collective is issued asynchronously
-(NCCL runs it on its own stream; with the plan's SM count when a group per SM setting is given) just before the
-compute op named by the plan's slot, and waited for at the end of its partition.
+(NCCL runs it on its own stream; with the plan's SM count when a group per SM setting is
+given) just before the compute op named by the plan's slot, and waited for at the end of
+its partition.
 
 The overlap changes when things run, never what they compute (tested: outputs and every
 gradient equal the plain layer's).

@@ -211,7 +211,8 @@ def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> 
                                      post_layer_norm=False)
             calls = []
             for layer in block.layers:
-                layer.input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+                layer.input_layernorm.register_forward_hook(
+                    lambda *_, calls=calls: calls.append(1))
                 if name == "kareus":
                     layer.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 2"]))
             xi = x.clone().requires_grad_(True)
