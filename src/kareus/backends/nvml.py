@@ -29,14 +29,8 @@ from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import GPUDevice
-from kareus.gpu.kernels import (
-    Kernel,
-    build_kernel,
-    build_kernels,
-    import_torch,
-    stand_in_collective,
-)
-from kareus.gpu.partition_runner import PartitionRunner
+from kareus.gpu.kernels import build_kernel, import_torch, stand_in_collective
+from kareus.gpu.runtimes import PartitionRuntime, Runner, check_runtime, runtime_class
 from kareus.job.spec import JobSpec
 from kareus.workload.layer import LayerShapes
 from kareus.workload.ops import Collective, Op
@@ -51,12 +45,12 @@ class NvmlBackend:
     PROBE_RUNS = 8
     """Runs timed together (one synchronisation) to size the measurement window."""
 
-
     def __init__(self, job: JobSpec, device: GPUDevice, guard: ClockGuard | None = None,
                  protocol: MeasurementProtocol | None = None, torch_device: str = "cuda",
                  static_power_w: float | None = None, warmup_runs: int = 3,
                  min_runs: int = 3, collective: CollectiveFactory | None = None,
-                 name: str = "nvml", agree: Callable[[int], int] | None = None) -> None:
+                 name: str = "nvml", agree: Callable[[int], int] | None = None,
+                 runtime: str = "kernels") -> None:
         self.name = name
         """"nvml"; "fakegpu" for the CPU kernels with a fake device's energy counter."""
         self.job = job
@@ -73,15 +67,22 @@ class NvmlBackend:
         self._collective_factory = collective
         self._agree: Callable[[int], int] = agree or (lambda n: n)
         """Rank 0's value on every rank of a group profiled together (kareus.gpu.distributed)."""
-        self._runners: dict[tuple[str, int, str | None], PartitionRunner] = {}
-        self._kernels: dict[str, list[Kernel]] = {}
+        self.runtime_name = runtime
+        """Whose code computes a partition (kareus.gpu.runtimes): "kernels" or
+        "megatron"."""
+        self._runtime: PartitionRuntime | None = None
+        self._runners: dict[tuple[str, int, str | None], Runner] = {}
         self._collectives: dict[tuple[str, int], Callable[[], object]] = {}
         self._op_runs: dict[tuple[tuple[Op, ...], int], list[Callable[[], object]]] = {}
 
     def identity(self) -> str:
         """``nvml:<GPU>``, plus ``:static=<W>W`` when the static power was measured on the
-        spot (its measurements' static and dynamic energies differ from the catalog's)."""
+        spot (its measurements' static and dynamic energies differ from the catalog's),
+        plus ``:runtime=<name>`` when another runtime than the project's kernels computes
+        (its numbers are other kernels' and never mix with theirs)."""
         parts = [self.name, self.gpu.name]
+        if self.runtime_name != "kernels":
+            parts.append(f"runtime={self.runtime_name}")
         if self.static_power_source != "catalog":
             parts.append(f"static={self.static_power_w:.1f}W")
         return ":".join(parts)
@@ -170,15 +171,13 @@ class NvmlBackend:
         if self.torch_device.startswith("cuda"):
             import_torch().cuda.synchronize()
 
-    def _runner(self, partition: Partition, knobs: Knobs) -> PartitionRunner:
+    def _runner(self, partition: Partition, knobs: Knobs) -> Runner:
         key = (partition.key, knobs.sms, knobs.slot)
         if key not in self._runners:
-            # kernels depend on the partition only, the collective on its SM count: build
-            # each once, whatever the number of settings measured
-            kernels = self._kernels.get(partition.key)
-            if kernels is None:
-                kernels = self._kernels[partition.key] = build_kernels(
-                    partition, self.job, self.torch_device)
+            # the runtime builds a partition's compute once, the collective once per SM
+            # count, whatever the number of settings measured
+            if self._runtime is None:
+                self._runtime = runtime_class(self.runtime_name)(self.job, self.torch_device)
             ckey = (partition.key, knobs.sms if self._collective_factory else 0)
             coll = self._collectives.get(ckey)
             if coll is None:
@@ -186,9 +185,7 @@ class NvmlBackend:
                     self._collective_factory(partition.collective, knobs.sms)
                     if self._collective_factory is not None
                     else stand_in_collective(partition.collective.bytes_, self.torch_device))
-            self._runners[key] = PartitionRunner(kernels, coll,
-                                                 partition.launch_index(knobs.slot),
-                                                 self.torch_device)
+            self._runners[key] = self._runtime.runner(partition, knobs.slot, coll)
         return self._runners[key]
 
     def _measure_window(self, run: Callable[[], object], sync: Callable[[], None]
@@ -232,6 +229,9 @@ class NvmlSpec(BackendSpec):
     gpu_index: int = 0
     torch_device: str | None = None
     """Where the kernels run (default ``cuda:<gpu_index>``)."""
+    runtime: str = "kernels"
+    """Whose code computes a partition: the project's kernels, or ``megatron``:
+    Megatron-Core's modules (kareus.gpu.runtimes; the megatron extra)."""
 
     def check(self, job: JobSpec, here: bool = True) -> None:
         super().check(job, here)
@@ -242,6 +242,7 @@ class NvmlSpec(BackendSpec):
             # before asking for permissions that would not help
             self._check_device(job)
             import_torch()
+        check_runtime(self.runtime, job)
         if len(job.freqs_mhz) > 1 and not self.allow_clock_changes:
             raise SpecError("a search over frequencies on a real GPU needs "
                             "--allow-clock-changes; without it, pass --freqs with the one "
@@ -269,7 +270,8 @@ class NvmlSpec(BackendSpec):
                 device, allow_changes=self.allow_clock_changes, lock_dir=self._lock_dir(stack)))
             yield NvmlBackend(job, device, guard, protocol=self.protocol,
                               torch_device=self.torch_device or self._default_device(),
-                              collective=collectives, name=self.kind, agree=agree)
+                              collective=collectives, name=self.kind, agree=agree,
+                              runtime=self.runtime)
 
     def for_rank(self, local_rank: int, device: str | None) -> NvmlSpec:
         return replace(self, gpu_index=local_rank, torch_device=self.torch_device or device)

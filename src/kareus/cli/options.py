@@ -76,6 +76,11 @@ def with_backend(default: str = "emulator", measurements: bool = False
             "(always reset on exit). Without it no clock is touched.", metavar="")], False),
         ("gpu_index", Annotated[int, _opt("--gpu-index", panel=p, help="Real GPUs: which "
                                                                       "GPU.")], 0),
+        ("runtime", Annotated[Optional[str], _opt(
+            "--runtime", panel=p, help="Real GPUs (and fakegpu): whose code computes a "
+            "partition: kernels (the project's own, the default) or megatron (Megatron-Core's "
+            "own modules, what its training runs: the megatron extra, docs/megatron.md). "
+            "Journaled as another backend.")], None),
         ("replay_journal", Annotated[Optional[str], _opt(
             "--replay-journal", panel=p, help="Replay: the journal whose measurements are "
             "served.")], None),
@@ -116,7 +121,8 @@ def with_backend(default: str = "emulator", measurements: bool = False
         # the options the user set, by the spec field they fill (one another kind takes is
         # refused); the seed always (it seeds the search too), the protocol where given
         given = {k: v[k] for k in ("noise", "calibration", "allow_clock_changes",
-                                   "gpu_index", "replay_journal", "replay_identity")
+                                   "gpu_index", "runtime", "replay_journal",
+                                   "replay_identity")
                  if v[k] != defaults[k]}
         given["seed"] = v["seed"]
         if protocol is not None:

@@ -1,0 +1,222 @@
+"""The ``megatron`` runtime of the nvml and fakegpu backends (kareus.gpu.runtimes): a
+partition's compute measured with Megatron-Core's own modules, the kernels a Megatron-Core
+training runs, instead of the project's own kernels.
+
+One `KareusTransformerLayer` is built from Megatron's local GPT layer spec at the job's
+per-rank shapes: tensor-parallel size 1 with the heads, query groups and FFN of one TP rank
+(hidden/heads/TP ... exactly the GEMMs, attention and norms a rank of a TP group runs;
+the collective is the backend's: real over the group under torchrun, a stand-in copy on one
+GPU). A partition runs through the same pieces as the training executor
+(`MegatronLayerOps`, kareus.runtime.overlap_tp) on one nanobatch (half the microbatch):
+
+- a forward partition: its residual, norm and core under ``torch.no_grad()`` (a forward
+  instruction under full recompute keeps no graph), with the slot hook launching the
+  collective before the op the slot names;
+- a backward partition: its pieces' graphs are built once, with grad, and differentiated
+  again on every run (``retain_graph``); the collective is launched by a gradient hook on
+  the tensor whose backward the slot names, or at the start for a norm slot.
+The collective runs on a side stream on CUDA (`kareus.gpu.partition_runner.SideStream`),
+in line on the CPU.
+
+On the CPU (fakegpu), Megatron's attention and rotary embedding need CUDA, so the layer
+uses `SDPACoreAttention` and the rotary tensor of `kareus.integrations.megatron.cpu`, and
+fp32; on GPUs Megatron's own, in bf16. Megatron needs its parallel state: where
+torch.distributed is not initialised (one process), a one-rank gloo group is made for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from kareus.gpu.partition_runner import SideStream
+from kareus.gpu.runtimes import Collective, Runner
+from kareus.integrations.megatron.layer import KareusTransformerLayer, MegatronLayerOps
+from kareus.integrations.megatron.plan import check_job
+from kareus.job.spec import JobSpec
+from kareus.runtime.overlap import BACKWARD_TAPS, Taps
+from kareus.workload.partition import Partition
+
+FORWARD_KEYS = ("fwd_attn", "fwd_mlp")
+BACKWARD_KEYS = ("bwd_mlp", "bwd_attn")
+
+
+def _megatron_state(seed: int, cuda: bool) -> None:
+    """Megatron's parallel state, at TP=1, once per process."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda)
+
+
+def rank_layer(job: JobSpec, device: str) -> KareusTransformerLayer:
+    """One Kareus layer with the job's per-rank shapes (TP=1, a rank's heads and FFN)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
+    from kareus.integrations.megatron.spec import kareus_layer_spec
+
+    cuda = device.startswith("cuda")
+    _megatron_state(0, cuda)
+    m, tp = job.model, job.tp
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_norm)
+    if not cuda:
+        spec = with_core_attention(spec, SDPACoreAttention)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = TransformerConfig(
+        num_layers=1, hidden_size=m.hidden_size,
+        num_attention_heads=max(1, m.num_attention_heads // tp),
+        num_query_groups=max(1, m.num_kv_heads // tp), kv_channels=m.head_dim,
+        ffn_hidden_size=max(1, m.ffn_hidden_size // tp), normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        qk_layernorm=m.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=cuda, use_cpu_initialization=not cuda,
+        tensor_model_parallel_size=1)
+    layer = build_module(kareus_layer_spec(spec), config=config, layer_number=1)
+    layer.to(device)
+    layer.train()
+    layer._hook_submodules()
+    return layer
+
+
+class MegatronRuntime:
+    """Runners over one rank-shaped Megatron layer, its inputs allocated once."""
+
+    name = "megatron"
+
+    @staticmethod
+    def check_job(job: JobSpec) -> None:
+        check_job(job)
+
+    def __init__(self, job: JobSpec, device: str) -> None:
+        check_job(job)
+        self.job, self.device = job, device
+        self.layer = rank_layer(job, device)
+        dtype = next(self.layer.parameters()).dtype
+        half = max(1, job.micro_batch_size // 2)
+        g = torch.Generator().manual_seed(0)
+
+        def new() -> Tensor:
+            return torch.randn(job.seq_length, half, job.model.hidden_size, generator=g,
+                               dtype=torch.float32).to(device=device, dtype=dtype)
+
+        self.x, self.r, self.grad = new(), new(), new()
+        from kareus.integrations.megatron.cpu import rotary_embedding
+
+        emb = rotary_embedding(job.model.head_dim, job.seq_length).to(device)
+        self.ops = MegatronLayerOps(self.layer, {"attention_mask": None,
+                                                 "rotary_pos_emb": emb})
+
+    def runner(self, partition: Partition, slot: str | None, collective: Collective
+               ) -> Runner:
+        index = partition.launch_index(slot)
+        launch_op = (partition.compute_ops[index].name
+                     if index < len(partition.compute_ops) else None)
+        side = SideStream(collective, self.device)
+        if partition.key in FORWARD_KEYS:
+            return _ForwardRunner(self, partition.key, launch_op, side)
+        if partition.key in BACKWARD_KEYS:
+            return _BackwardRunner(self, partition.key, launch_op, side)
+        raise ValueError(f"the megatron runtime runs the TP partitions "
+                         f"({', '.join(FORWARD_KEYS + BACKWARD_KEYS)}), not {partition.key}")
+
+
+class _ForwardRunner:
+    def __init__(self, rt: MegatronRuntime, key: str, launch_op: str | None,
+                 side: SideStream) -> None:
+        self.rt, self.key, self.launch_op, self.side = rt, key, launch_op, side
+        self.ops_run: list[str] = []
+        """The ops' names as the pieces announce them, in order (for checking)."""
+
+    def _before(self, name: str) -> None:
+        self.ops_run.append(name)
+        if name == self.launch_op:
+            self.side.launch()
+
+    def run(self) -> None:
+        ops, rt = self.rt.ops, self.rt
+        taps: Taps = {}
+        with torch.no_grad():
+            if self.key == "fwd_attn":
+                self._before("residual_mlp")
+                x = ops.mlp_residual(rt.x, rt.r)
+                self._before("input_norm")
+                ops.attn_partial(ops.attn_norm(x), self._before, taps)
+            else:
+                self._before("residual_attn")
+                h = ops.attn_residual(rt.x, rt.r)
+                self._before("pre_mlp_norm")
+                ops.mlp_partial(ops.mlp_norm(h), self._before, taps)
+        if self.launch_op is None:
+            self.side.launch()
+        self.side.join()
+
+    def synchronize(self) -> None:
+        self.side.synchronize()
+
+
+class _BackwardRunner:
+    """The partition's pieces built once with grad; each run differentiates them again."""
+
+    def __init__(self, rt: MegatronRuntime, key: str, launch_op: str | None,
+                 side: SideStream) -> None:
+        self.rt, self.key, self.launch_op, self.side = rt, key, launch_op, side
+        ops = rt.ops
+        self.params = [p for p in rt.layer.parameters() if p.requires_grad]
+        self.launched = False
+        tap = BACKWARD_TAPS.get(launch_op or "")
+        with torch.enable_grad():
+            if key == "bwd_mlp":
+                bn = ops.mlp_norm(rt.x).detach().requires_grad_(True)
+                taps: Taps = {}
+                self.core_in, self.core_out = bn, ops.mlp_partial(bn, _never, taps)
+                self.norm: tuple[Tensor, Tensor] | None = None
+            else:
+                h = rt.x.detach().requires_grad_(True)
+                self.norm = (h, ops.mlp_norm(h))
+                a = ops.attn_norm(rt.r).detach().requires_grad_(True)
+                taps = {}
+                self.core_in, self.core_out = a, ops.attn_partial(a, _never, taps)
+        self.hooked = tap is not None and tap in taps
+        if self.hooked:
+            tapped = taps[str(tap)]
+            for t in tapped if isinstance(tapped, tuple) else (tapped,):
+                t.register_hook(self._on_gradient)
+
+    def _on_gradient(self, grad: Tensor) -> None:
+        self._launch()
+
+    def _launch(self) -> None:
+        if not self.launched:
+            self.launched = True
+            self.side.launch()
+
+    def run(self) -> None:
+        self.launched = False
+        if self.launch_op is not None and not self.hooked:  # a norm slot: at the start
+            self._launch()
+        grad = self.rt.grad
+        if self.norm is not None:  # bwd_attn: the MLP norm's backward first
+            h, bn = self.norm
+            torch.autograd.grad(bn, [h, *self.params], grad, retain_graph=True,
+                                allow_unused=True)
+        torch.autograd.grad(self.core_out, [self.core_in, *self.params], grad,
+                            retain_graph=True, allow_unused=True)
+        self._launch()  # slot "none", or a tap this run did not reach: at the end
+        self.side.join()
+
+    def synchronize(self) -> None:
+        self.side.synchronize()
+
+
+def _never(_name: str) -> None:
+    return None
+
