@@ -38,12 +38,13 @@ def _worker(_rank: int, out_dir: str) -> None:
     for key, part in wl.partitions.partitions.items():
         for slot in [s.name for s in part.slots] + [None]:
             events: list = []
-            runner = None
+            box: list = []  # the runner, once built: where its ops stand at the launch
 
-            def collective(events=events):
-                events.append(("COLL", len(getattr(runner, "ops_run", []))))
+            def collective(events=events, box=box):
+                events.append(("COLL", len(getattr(box[0], "ops_run", []))))
 
             runner = rt.runner(part, slot, collective)
+            box.append(runner)
             if key.startswith("bwd"):
                 hooks = [p.register_hook(lambda g, n=n, events=events: events.append(n))
                          for n, p in rt.layer.named_parameters()]
