@@ -23,6 +23,12 @@ estimated duration first (about 90 measurements, 5 minutes on an H200 with the d
 
     python scripts/gpu_check.py --no-clock-changes [--gpu-index 0] [--window S]
         [--cooldown S] [--max-minutes 10] [--out-md docs/gpu-check.md] [--json FILE]
+        [--megatron | --megatron-only] [--reps 20]
+
+--megatron (the megatron extra) adds, on the same GPU and clock, the Kareus layer for
+Megatron-Core against Megatron's own layer (forward and backward, a plan without overlap,
+medians of --reps alternating runs: the layer's overhead, which should stay under 3%) and
+every TP partition computed by Megatron's modules against the project's kernels.
 
 Needs the gpu extra (torch with CUDA, Zeus, nvidia-ml-py); without a GPU it exits 2 with
 one line. `--fake-device` (for tests) runs a tiny job's kernels on the CPU against
@@ -111,8 +117,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="refuse to start when the estimate exceeds this (default 10)")
     ap.add_argument("--out-md", default=str(REPO / "docs" / "gpu-check.md"))
     ap.add_argument("--json", help="also write the numbers as JSON")
+    ap.add_argument("--megatron", action="store_true",
+                    help="also time the Kareus layer for Megatron-Core against Megatron's "
+                         "own layer, and partitions computed by Megatron's modules against "
+                         "the project's kernels (the megatron extra; docs/megatron.md)")
+    ap.add_argument("--megatron-only", action="store_true",
+                    help="only the --megatron part (about a minute)")
+    ap.add_argument("--reps", type=int, default=20,
+                    help="repetitions of each timed run of the --megatron part (median)")
     ap.add_argument("--fake-device", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def megatron_check(job: JobSpec, torch_device: str, reps: int) -> dict[str, Any]:
+    """The Kareus layer's overhead against Megatron's and the two runtimes' partition
+    times (kareus.integrations.megatron.overhead), at the GPU's own clock."""
+    try:
+        from kareus.integrations.megatron.overhead import layer_overhead, runtime_times
+    except ImportError as exc:
+        raise KareusError(f"--megatron needs Megatron-Core ({exc.name}): pip install -e "
+                          f"'.[megatron]'") from None
+    overhead = layer_overhead(job, torch_device, reps)
+    print(f"Megatron-Core layer: Megatron {overhead['megatron_ms']:.3f} ms, Kareus without "
+          f"overlap {overhead['kareus_ms']:.3f} ms per forward+backward: overhead "
+          f"{overhead['overhead'] * 100:+.2f}% (median of {reps})", flush=True)
+    return {"layer": overhead, "partitions": runtime_times(job, torch_device, reps)}
+
+
+def render_megatron(sec: dict[str, Any], reps: int) -> str:
+    o = sec["layer"]
+    lines = ["", "## Megatron-Core", "",
+             f"One rank-shaped layer ({o['tokens']} tokens), forward and backward, the two "
+             f"arms alternating, median of {reps} (docs/megatron.md):", "",
+             "| layer | ms |", "|---|---|",
+             f"| Megatron's own `TransformerLayer` | {o['megatron_ms']:.3f} |",
+             f"| Kareus layer, plan without overlap | {o['kareus_ms']:.3f} |",
+             f"| overhead | {o['overhead'] * 100:+.2f}% |", "",
+             "Partitions at their middle slot, the same stand-in collective, computed by the "
+             "project's kernels (`--runtime kernels`) and by Megatron's modules "
+             "(`--runtime megatron`):", "",
+             "| partition | slot | kernels ms | megatron ms | megatron / kernels |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['partition']} | {r['slot']} | {r['kernels_ms']:.3f} | "
+              f"{r['megatron_ms']:.3f} | {r['ratio']:.3f} |" for r in sec["partitions"]]
+    return "\n".join(lines) + "\n"
 
 
 def open_device(args: argparse.Namespace, device: GPUDevice | None
@@ -381,6 +429,20 @@ def run(args: argparse.Namespace, argv: list[str], device: GPUDevice | None) -> 
     job, job_summary, warning = small_job(device.name, args.fake_device)
     if warning:
         print(f"gpu_check: warning: {warning}", file=sys.stderr)
+    if args.megatron_only:
+        sec = megatron_check(job, torch_device, args.reps)
+        only = {"schema_version": CHECK_SCHEMA_VERSION,
+                "command": shlex.join(["python", "scripts/gpu_check.py", *argv]),
+                "gpu": {"index": device.index, "name": device.name, "catalog": job.gpu},
+                "job": job.model_dump(mode="json"), "job_summary": job_summary,
+                "megatron": sec, "duration_s": time.time() - t0}
+        write_text_atomic(args.out_md, f"# GPU check: Megatron-Core\n\n`{only['command']}` "
+                          f"on {device.name}: {job_summary}\n"
+                          + render_megatron(sec, args.reps))
+        if args.json:
+            write_text_atomic(args.json, json.dumps(only, indent=1) + "\n")
+        print(f"done in {only['duration_s']:.0f} s; report: {args.out_md}")
+        return 0
     ps = Workload.build(job).partitions
     got = measure_on_gpu(args, device, torch_device, ps)
     options, fronts = compose(ps, got["measured"], got["planned"], got["freq"])
@@ -402,7 +464,11 @@ def run(args: argparse.Namespace, argv: list[str], device: GPUDevice | None) -> 
         "summary": error_summary([*got["rows"], *options]),
         "measurements": got["rows"], "options": options, "fronts": fronts,
         "executor_overhead": got["overhead"]}
-    write_text_atomic(args.out_md, render_markdown(doc))
+    markdown = render_markdown(doc)
+    if args.megatron:
+        doc["megatron"] = megatron_check(job, torch_device, args.reps)
+        markdown += render_megatron(doc["megatron"], args.reps)
+    write_text_atomic(args.out_md, markdown)
     if args.json:
         write_text_atomic(args.json, json.dumps(doc, indent=1) + "\n")
     for name, s in doc["summary"].items():

@@ -124,3 +124,23 @@ def test_without_a_gpu_one_line_and_status_2(tmp_path, capsys):
     assert gpu_check.main(["--no-clock-changes", "--out-md", str(md)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gpu_check: ") and not md.exists()
+
+
+def test_the_megatron_part_on_the_fake_device(tmp_path):
+    """--megatron-only (issue 22, item 6): the layer's overhead and the two runtimes'
+    partition times, medians, in the report and the JSON. On the CPU the numbers mean
+    nothing for a GPU; that they are measured and reported is what is checked."""
+    pytest.importorskip("megatron.core")
+    md, js = tmp_path / "m.md", tmp_path / "m.json"
+    rc = gpu_check.main(["--fake-device", "--megatron-only", "--reps", "2", "--out-md",
+                         str(md), "--json", str(js)], device=FakeDevice(power_w=200.0))
+    assert rc == 0
+    doc = json.loads(js.read_text())["megatron"]
+    layer = doc["layer"]
+    assert layer["megatron_ms"] > 0 and layer["kareus_ms"] > 0 and layer["reps"] == 2
+    assert math.isclose(layer["overhead"], layer["kareus_ms"] / layer["megatron_ms"] - 1)
+    assert {r["partition"] for r in doc["partitions"]} == {"fwd_attn", "fwd_mlp", "bwd_mlp",
+                                                          "bwd_attn"}
+    assert all(r["kernels_ms"] > 0 and r["megatron_ms"] > 0 for r in doc["partitions"])
+    text = md.read_text()
+    assert "## Megatron-Core" in text and "| overhead |" in text

@@ -205,7 +205,9 @@ class OverlappedTP(torch.autograd.Function):
             raise ValueError(f"the partitioned overlap splits the batch (dimension {dim}) "
                              f"into two nanobatches: it needs an even size, not "
                              f"{x.shape[dim]}")
-        nbs = [_Nanobatch(ops, half) for half in x.detach().chunk(2, dim=dim)]
+        # a half along a dimension other than the first is strided: every op on it would
+        # be slower (and copy); one copy each now instead
+        nbs = [_Nanobatch(ops, half.contiguous()) for half in x.detach().chunk(2, dim=dim)]
         collective = _Collectives(ops, plan)
         with torch.enable_grad() if keep_graphs else torch.no_grad():
             y = _forward(nbs, collective, plan, dim)
@@ -220,8 +222,8 @@ class OverlappedTP(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         nbs: list[_Nanobatch] = ctx.nbs
         grads = _Grads(ctx.params)
-        dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads,
-                       dy.chunk(2, dim=ctx.dim), ctx.dim)
+        dys = tuple(half.contiguous() for half in dy.chunk(2, dim=ctx.dim))
+        dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads, dys, ctx.dim)
         ctx.nbs = None  # the graphs go with the pass
         return (dx, None, None, None, *grads.sums)
 
@@ -233,9 +235,11 @@ class _Collectives:
         self.ops, self.plan = ops, plan
 
     def __call__(self, tensor: Tensor, key: str) -> Pending:
-        # reduced in place: a copy where the tensor is a kept graph's output
-        t = tensor.detach().clone() if tensor.requires_grad else tensor
-        return Pending("all_reduce", t, self.ops.group, self.plan.sms(key),
+        # reduced in place, as Megatron's row-parallel linears do: where the tensor is a
+        # kept graph's output, its value is not used by that graph's backward (a linear
+        # saves its input, not its output; were it saved, autograd's version check would
+        # refuse the backward rather than compute a wrong gradient)
+        return Pending("all_reduce", tensor.detach(), self.ops.group, self.plan.sms(key),
                        self.ops.groups_by_sms)
 
 
