@@ -273,6 +273,17 @@ def _refusals(kareus_spec) -> dict:
             setattr(layer.config, key, value)
         out[what] = _refusal(lambda layer=layer: layer.set_kareus_plan(
             LayerPlan.from_partitions(PARTS, PLANS["slot 0"])))
+    # Transformer Engine's fused linears cannot be built on the CPU: a module of another
+    # class where Megatron's ColumnParallelLinear should be stands for one
+    torch.manual_seed(0)
+    layer = build_module(kareus_spec, config=_config(), layer_number=1)
+
+    class TELayerNormColumnParallelLinear(torch.nn.Linear):
+        pass
+
+    layer.self_attention.linear_qkv = TELayerNormColumnParallelLinear(HIDDEN, HIDDEN)
+    out["transformer engine"] = _refusal(lambda: layer.set_kareus_plan(
+        LayerPlan.from_partitions(PARTS, PLANS["slot 0"])))
     return out
 
 
@@ -328,6 +339,10 @@ def test_a_gpt_model_trains_with_the_plain_losses(results):
 
 def test_unsupported_configurations_are_refused_in_one_line(results):
     for res in results:
+        te = res["refusals"].pop("transformer engine")
+        assert te.startswith("SpecError: a Kareus plan cannot run on this layer "
+                             "(linear_qkv is TELayerNormColumnParallelLinear"), te
+        assert "Transformer Engine" in te and "\n" not in te
         for what, msg in res["refusals"].items():
             assert msg.startswith("SpecError: a Kareus plan cannot run with"), (what, msg)
             assert "supported: tensor parallelism without sequence parallelism" in msg
