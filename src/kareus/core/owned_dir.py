@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from kareus.core.atomic import is_marked, remove_leftovers, replace_dir
+from kareus.core.jsonfile import read_json_object
 from kareus.core.lock import Lock
 from kareus.errors import KareusError
 
@@ -91,6 +92,18 @@ class OwnedDir:
     def legacy(cls, path: Path) -> bool:
         """Whether ``path`` is one written before markers existed (default: never)."""
         return False
+
+    @staticmethod
+    def json_with(path: Path, what: str, keys: tuple[str, ...]) -> bool:
+        """Whether ``path`` is a JSON object file (not a link) of Kareus's holding
+        ``keys``: how a directory written before markers is recognised."""
+        if path.is_symlink() or not path.is_file():
+            return False
+        try:
+            content = read_json_object(path, what)
+        except KareusError:
+            return False
+        return all(content.get(k) is not None for k in keys)
 
     @classmethod
     def is_mine(cls, path: Path) -> bool:

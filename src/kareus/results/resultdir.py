@@ -98,14 +98,7 @@ class ResultDir(OwnedDir):
     @classmethod
     def legacy(cls, path: Path) -> bool:
         """Written before the marker: a result.json of Kareus's."""
-        doc = path / "result.json"
-        if doc.is_symlink() or not doc.is_file():
-            return False
-        try:
-            content = read_json_object(doc, "result")
-        except KareusError:
-            return False
-        return content.get("schema_version") is not None and "job_id" in content
+        return cls.json_with(path / "result.json", "result", ("schema_version", "job_id"))
 
     @classmethod
     def is_result(cls, path: Path) -> bool:

@@ -110,17 +110,24 @@ class _Nanobatch:
 
     def attention(self, before: Before) -> Tensor:
         """The attention norm and core: the partial output projection."""
-        ops = self.ops
         before("residual_mlp")
         before("input_norm")
-        x = _leaf(self.x)
-        a = ops.attn_norm(x)
-        self.pieces["attn_norm"] = _Piece([x], a)
-        a_in = _leaf(a)
+        return self._norm_and_core("attn", self.x, self.ops.attn_norm,
+                                   self.ops.attn_partial, before)
+
+    def _norm_and_core(self, half: str, x: Tensor, norm: Callable[[Tensor], Tensor],
+                       core: Callable[[Tensor, Before, Taps], Tensor], before: Before
+                       ) -> Tensor:
+        """``half``'s norm piece and core piece (cut between them: the core's input
+        gradient is partial and all-reduced before the norm's backward)."""
+        x_in = _leaf(x)
+        n = norm(x_in)
+        self.pieces[f"{half}_norm"] = _Piece([x_in], n)
+        n_in = _leaf(n)
         taps: Taps = {}
-        p = ops.attn_partial(a_in, before, taps)
-        self.pieces["attn_core"] = _Piece([a_in], p, taps)
-        return p
+        out = core(n_in, before, taps)
+        self.pieces[f"{half}_core"] = _Piece([n_in], out, taps)
+        return out
 
     def attn_residual(self, reduced: Tensor, before: Before) -> Tensor:
         self.reduced["attn"] = reduced
@@ -133,16 +140,9 @@ class _Nanobatch:
 
     def mlp(self, before: Before) -> Tensor:
         """The MLP norm and core: the partial FC2 output."""
-        ops = self.ops
         before("pre_mlp_norm")
-        h = _leaf(self.h)
-        bn = ops.mlp_norm(h)
-        self.pieces["mlp_norm"] = _Piece([h], bn)
-        bn_in = _leaf(bn)
-        taps: Taps = {}
-        m = ops.mlp_partial(bn_in, before, taps)
-        self.pieces["mlp_core"] = _Piece([bn_in], m, taps)
-        return m
+        return self._norm_and_core("mlp", self.h, self.ops.mlp_norm, self.ops.mlp_partial,
+                                   before)
 
     def mlp_residual(self, reduced: Tensor) -> Tensor:
         self.reduced["mlp"] = reduced

@@ -22,7 +22,6 @@ from kareus.compose.instruction import InstructionOption
 from kareus.compose.pipeline import PipelineCosts, PipelinePoint, solve_frontier
 from kareus.compose.plans import timeline, to_execution_plan
 from kareus.core.atomic import write_text_atomic
-from kareus.core.jsonfile import read_json_object
 from kareus.core.lock import Lock
 from kareus.core.owned_dir import OwnedDir
 from kareus.errors import KareusError, SpecError
@@ -124,14 +123,7 @@ class ImportDir(OwnedDir):
     @classmethod
     def legacy(cls, path: Path) -> bool:
         """Written before the marker: a summary.json of an import."""
-        doc = path / "summary.json"
-        if doc.is_symlink() or not doc.is_file():
-            return False
-        try:
-            content = read_json_object(doc, "summary")
-        except KareusError:
-            return False
-        return content.get("schema_version") is not None and "frontier" in content
+        return cls.json_with(path / "summary.json", "summary", ("schema_version", "frontier"))
 
     def check_writable(self, force: bool = False) -> None:
         """Fail before any work when the directory cannot be one (`OwnedDir.check_place`:
