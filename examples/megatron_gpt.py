@@ -128,7 +128,7 @@ def microbatches_of(model, data, pos) -> tuple[float, dict]:
         tokens = data[m]
         loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
         (loss / n).backward()
-        total += float(loss) / n
+        total += float(loss.detach()) / n
     return total, {name: p.grad.detach().clone() for name, p in model.named_parameters()
                    if p.grad is not None}
 
@@ -169,6 +169,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not "
                                               "installed")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Megatron needs it for TP on GPUs (launch order is execution order across streams,
+    # which "launch the collective before op k" relies on); harmless on the CPU
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     cpu = args.backend == "gloo"
     if not cpu:
         torch.cuda.set_device(rank)
@@ -219,6 +222,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 print(f"plan {plan.plan.id}: {overlapped} of {len(plan.log)} instructions "
                       f"ran the partitioned overlap, the others Megatron's layer",
                       flush=True)
+                used: dict[str, set] = {}
+                for _m, _d, lp in plan.log:
+                    for key, s in (lp.settings.items() if lp is not None else ()):
+                        used.setdefault(key, set()).add(f"{s.sms} SMs before "
+                                                        f"{lp.launch_op(key) or 'the end'}")
+                for key, settings in sorted(used.items()):
+                    print(f"  {key}: {'; '.join(sorted(settings))}", flush=True)
         if reference is not None:
             worst = torch.tensor([max(e[0] for e in errors), max(e[1] for e in errors)],
                                  dtype=torch.float64, device=data.device)
