@@ -82,14 +82,22 @@ def load(args: argparse.Namespace):
              f"(pp: 1)")
     if job.tp != args.tp:
         fail(f"--tp {args.tp}, but the plan's job has tp {job.tp}")
+    if job.recompute and args.backend == "gloo":
+        fail("the plan's job has full recompute, whose Megatron checkpoint saves the CUDA "
+             "RNG state: on the CPU use a job with recompute: false "
+             "(examples/megatron_gpt.yaml), or run on GPUs with --backend nccl")
     return job, plan
 
 
 def config(job, tp: int):
+    """The model's configuration, recompute as the plan's job has it (MegatronPlan refuses
+    a model whose recompute differs: the plan's times assume one or the other)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = job.model
-    return TransformerConfig(
+    recompute = ({"recompute_granularity": "full", "recompute_method": "uniform",
+                  "recompute_num_layers": 1} if job.recompute else {})
+    return TransformerConfig(**recompute,
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_kv_heads,
         kv_channels=m.head_dim, ffn_hidden_size=m.ffn_hidden_size,

@@ -296,3 +296,63 @@ def test_the_result_owns_its_timelines_lock_and_marker(first, tmp_path):
     before = png.read_bytes()
     r = run_cli("plan", "show", "--result", str(rd.path), "--plan", pid, "--png", str(png))
     assert r.code == 2 and png.read_bytes() == before
+
+
+# What a review found (issue 21) --------------------------------------------------------
+
+
+def test_a_file_that_appears_just_before_the_swap_is_kept(first, monkeypatch):
+    """Between the last check and the swap (a few ms): the user's file is not removed with
+    the old result but moved into the new one, where the next run's check names it."""
+    import kareus.core.atomic as atomic
+
+    rd, result = first
+    real_exchange = atomic.exchange_dirs
+
+    def late_user(a, b):
+        (a / "late.txt").write_text("mine")  # a is the result directory, about to swap
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(atomic, "exchange_dirs", late_user)
+    rd.write(dataclasses.replace(result, run_id="late"))
+    monkeypatch.undo()
+    try:
+        assert (rd.path / "late.txt").read_text() == "mine"
+        with pytest.raises(KareusError, match=r"did not write \(late.txt\)"):
+            rd.check_writable(job_id(JOB))
+    finally:
+        (rd.path / "late.txt").unlink()
+    rd.write(result)
+    assert _consistent(rd) == result.run_id
+
+
+def test_a_link_named_like_the_journal_is_not_kareus_s(tmp_path):
+    data = tmp_path / "data.db"
+    data.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.sqlite").symlink_to(data)
+    with pytest.raises(KareusError, match="is not a Kareus result directory"):
+        ResultDir(out).check_writable(job_id(JOB))
+    assert data.read_text() == "precious"
+
+
+def test_inside_an_import_is_refused_whatever_was_imported(tmp_path):
+    imported = tmp_path / "perseus"
+    imported.mkdir()
+    mark(imported, ".kareus-import")  # as import-perseus marks its output
+    with pytest.raises(KareusError, match="inside the import-perseus output"):
+        ResultDir(imported / "run").check_writable(job_id(JOB))
+
+
+def test_a_sibling_s_leftover_is_not_taken_for_one_s_own(tmp_path):
+    from kareus.core.atomic import remove_leftovers
+
+    sibling_tmp = tmp_path / ".run.tmp-x.tmp-123"  # what `--out run.tmp-x` leaves
+    sibling_tmp.mkdir()
+    mark(sibling_tmp, MARKER)
+    own = tmp_path / ".run.tmp-456"
+    own.mkdir()
+    mark(own, MARKER)
+    remove_leftovers(tmp_path / "run", MARKER)
+    assert sibling_tmp.is_dir() and not own.exists()

@@ -83,7 +83,8 @@ def temp_dir(path: Path, tag: str) -> Path:
 
 
 def replace_dir(path: Path, fill: Callable[[Path], None], tag: str,
-                marker: str | None = None) -> None:
+                marker: str | None = None,
+                rescue: Callable[[Path, Path], object] | None = None) -> None:
     """Give ``path`` new content whole: ``fill`` writes it into an empty directory beside
     ``path`` (`temp_dir`: a writer killed midway leaves only that, which its owner
     removes), which is then swapped with ``path`` (renamed to it where ``path`` does not
@@ -93,7 +94,9 @@ def replace_dir(path: Path, fill: Callable[[Path], None], tag: str,
     ``marker``: the directory beside is marked (`mark`) as it is made, before ``fill``;
     one left by a killed writer is removed only if marked (else FileExistsError). Only
     what this call made is removed, and nothing of ``path`` is moved but ``path`` itself;
-    ``path`` a link: its target is swapped, the link stays."""
+    ``path`` a link: its target is swapped, the link stays. ``rescue(old, new)``: called
+    after a swap with the old content (beside, about to be removed) and the new, to keep
+    what must not be removed with it."""
     if not path.name or path.name in (".", ".."):
         raise OSError(errno.EINVAL, "not a directory name", str(path))
     if path.is_symlink():  # the link is followed: its target gets the new content
@@ -110,6 +113,8 @@ def replace_dir(path: Path, fill: Callable[[Path], None], tag: str,
         fill(tmp)
         if path.exists():
             exchange_dirs(path, tmp)
+            if rescue is not None:
+                rescue(tmp, path)
         else:
             os.rename(tmp, path)
     finally:
@@ -122,8 +127,10 @@ def remove_leftovers(path: Path, marker: str, name: str | None = None) -> list[P
     ones are left, and returned."""
     if name is not None:
         found = [path.parent / name] if os.path.lexists(path.parent / name) else []
-    else:
-        found = list(path.parent.glob(f"{glob.escape('.' + path.name)}.tmp-*"))
+    else:  # not a sibling's (".NAME.tmp-x" is NAME.tmp-x's own: ".NAME.tmp-x.tmp-TAG")
+        prefix = f".{path.name}.tmp-"
+        found = [p for p in path.parent.glob(f"{glob.escape(prefix)}*")
+                 if ".tmp-" not in p.name[len(prefix):]]
     left = []
     for stale in found:
         if is_marked(stale, marker):

@@ -32,6 +32,12 @@ from kareus.errors import KareusError
 
 _KINDS: list[type[OwnedDir]] = []
 
+KNOWN_MARKERS = {".kareus-result": "result directory",
+                 ".kareus-import": "import-perseus output"}
+"""The markers of every kind Kareus ships, whether or not its module was imported: a
+directory inside one of them is refused either way (a kind's class also registers
+itself, with how to recognise one written before markers)."""
+
 
 class OwnedDir:
     """A directory of one kind (a subclass sets the class attributes)."""
@@ -80,8 +86,8 @@ class OwnedDir:
         """"scratch" (kept across writes), "written" (what a write replaces), or None
         (not Kareus's)."""
         name = entry.name
-        if name in self._scratch_names():
-            return "scratch" if not entry.is_dir() else None
+        if name in self._scratch_names():  # a link there could lead anywhere: not ours
+            return "scratch" if not entry.is_dir() and not entry.is_symlink() else None
         if name in dict(self.written_dirs):
             return "written" if entry.is_dir() and not entry.is_symlink() else None
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.written_files):
@@ -158,11 +164,13 @@ class OwnedDir:
                 raise KareusError(f"{self.option} {self.given} is {what}; name a directory "
                                   f"of its own (e.g. runs/NAME)")
         for parent in real.parents:
-            for kind in _KINDS:
-                if kind.is_mine(parent):
-                    raise KareusError(f"{self.option} {self.given} is inside the "
-                                      f"{kind.what} {parent}, which the next run there "
-                                      f"replaces whole; choose a directory outside it")
+            found = [what for marker, what in KNOWN_MARKERS.items()
+                     if is_marked(parent, marker)]
+            found += [kind.what for kind in _KINDS if kind.is_mine(parent)]
+            if found:
+                raise KareusError(f"{self.option} {self.given} is inside the {found[0]} "
+                                  f"{parent}, which the next run there replaces whole; "
+                                  f"choose a directory outside it")
 
     # Writing ------------------------------------------------------------------------------
 
@@ -222,10 +230,29 @@ class OwnedDir:
             self._carry_over(real, tmp)
 
         try:
-            replace_dir(real, filled, tag, self.marker)
+            replace_dir(real, filled, tag, self.marker, self._rescue)
         except OSError as exc:
             raise KareusError(f"cannot write {self.content} to {self.path}: {exc}"
                               ) from None
+
+    def _rescue(self, old: Path, new: Path) -> list[str]:
+        """Anything not Kareus's in the old content (it appeared between the last check
+        and the swap) goes into the new directory instead of being removed with the old:
+        a user's file is never lost, even there. Returns what was moved."""
+        moved = []
+        for entry in list(old.iterdir()):
+            if self._kind(entry) is None and not os.path.lexists(new / entry.name):
+                os.rename(entry, new / entry.name)
+                moved.append(entry.name)
+        for name, suffix in self.written_dirs:
+            sub = old / name
+            if sub.is_dir() and not sub.is_symlink() and (new / name).is_dir():
+                for rel in self._foreign_in(sub, suffix):
+                    src, dst = old / rel, new / rel
+                    if not os.path.lexists(dst):
+                        os.rename(src, dst)
+                        moved.append(rel)
+        return moved
 
     def _carry_over(self, real: Path, tmp: Path) -> None:
         if not real.is_dir():

@@ -182,6 +182,9 @@ class LlamaLayer(torch.nn.Module):
     def mlp_residual(self, h: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
         return h + reduced
 
+    def nanobatch(self, index: int) -> LlamaLayer:
+        return self  # no per-sample inputs
+
     # Entry point -----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, plan: LayerPlan | None = None) -> torch.Tensor:

@@ -80,6 +80,11 @@ class TPLayerOps(Protocol):
 
     def mlp_residual(self, h: Tensor, reduced: Tensor) -> Tensor: ...
 
+    def nanobatch(self, index: int) -> TPLayerOps:
+        """The ops of nanobatch ``index`` (0 or 1): inputs given per batch element (an
+        attention mask per sample) cut to that half; self where there are none."""
+        ...
+
 
 PIECES = ("attn_norm", "attn_core", "attn_res", "mlp_norm", "mlp_core", "mlp_res")
 
@@ -207,7 +212,8 @@ class OverlappedTP(torch.autograd.Function):
                              f"{x.shape[dim]}")
         # a half along a dimension other than the first is strided: every op on it would
         # be slower (and copy); one copy each now instead
-        nbs = [_Nanobatch(ops, half.contiguous()) for half in x.detach().chunk(2, dim=dim)]
+        nbs = [_Nanobatch(ops.nanobatch(i), half.contiguous())
+               for i, half in enumerate(x.detach().chunk(2, dim=dim))]
         collective = _Collectives(ops, plan)
         with torch.enable_grad() if keep_graphs else torch.no_grad():
             y = _forward(nbs, collective, plan, dim)
@@ -323,8 +329,8 @@ def _attn_backward(nb: _Nanobatch, dh_res: Tensor, db_full: Tensor, grads: _Grad
                    pending: Pending | None, launch: str | None) -> tuple[Tensor, Tensor]:
     """nbX.attn': the MLP norm backward, the attention residual and core backward -> the
     residual's d(x) and partial d(attention norm output)."""
-    if pending is not None and launch in NORM_SLOTS_BWD:
-        pending.issue()
+    if pending is not None and launch is not None and launch not in BACKWARD_TAPS:
+        pending.issue()  # a norm or residual slot (NORM_SLOTS_BWD): the partition's start
     gh, = grads(nb.pieces["mlp_norm"], db_full)
     nb.build(PIECES[:3])
     core = nb.pieces["attn_core"]

@@ -238,29 +238,40 @@ def spawn_pool(stack: contextlib.ExitStack, workers: int,
                initializer: Callable[..., object] | None = None,
                initargs: tuple[Any, ...] = ()) -> Any:
     """A pool of ``workers`` spawned processes, entered into ``stack`` (leaving it
-    terminates them), started with SIGINT blocked (`_sigint_blocked`): Ctrl-C is answered
-    by this process alone, which then stops them. A Ctrl-C during the start arrives once
-    the pool is in ``stack``."""
-    with _sigint_blocked():
+    terminates them), started with SIGINT blocked (`_sigint_deferred`): Ctrl-C is answered
+    by this process alone, which then stops them. A Ctrl-C during the start is raised
+    once the pool is in ``stack``."""
+    with _sigint_deferred():
         return stack.enter_context(mp.get_context("spawn").Pool(
             workers, initializer=initializer, initargs=initargs))
 
 
 @contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread meanwhile. Processes (and threads) started in the
-    block inherit the mask, through exec too, and Python never unblocks it: Ctrl-C, which
-    the terminal sends to the whole process group, reaches only the parent, which stops
-    the pool. Without it a worker still importing printed its own KeyboardInterrupt
-    traceback (issue 21). A SIGINT sent meanwhile is delivered when the block ends."""
+def _sigint_deferred() -> Iterator[None]:
+    """SIGINT held off meanwhile, then raised as KeyboardInterrupt if it came.
+
+    The signal is blocked in this thread: processes started in the block inherit the mask
+    through exec and Python never unblocks it, so Ctrl-C, which the terminal sends to the
+    whole process group, reaches only the parent, which stops the pool (without it a
+    worker still importing printed its own KeyboardInterrupt traceback: issue 21). Another
+    thread of this process (rich's refresh thread) may still take the signal, so a Python
+    handler records it instead of raising in the middle of the pool's start."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    came: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending one: recorded
+        signal.signal(signal.SIGINT, handler)
+    if came:  # what this process does on Ctrl-C, now
+        if callable(handler):
+            handler(signal.SIGINT, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def _drain(q: Any, progress: TaskProgress | None, timeout_s: float) -> None:

@@ -89,15 +89,15 @@ class _Counter:
         return self._orig(*args, **kwargs)
 
 
-def _layer_run(layer, x, dy, emb, checkpoint=False):
+def _layer_run(layer, x, dy, emb, checkpoint=False, mask=None):
     layer.zero_grad()
     xi = x.clone().requires_grad_(True)
     if checkpoint:  # full recompute, as Megatron's block does it (reentrant)
         out = torch.utils.checkpoint.checkpoint(
-            lambda h: layer(h, attention_mask=None, rotary_pos_emb=emb)[0], xi,
+            lambda h: layer(h, attention_mask=mask, rotary_pos_emb=emb)[0], xi,
             use_reentrant=True, preserve_rng_state=False)
     else:
-        out, _ = layer(xi, attention_mask=None, rotary_pos_emb=emb)
+        out, _ = layer(xi, attention_mask=mask, rotary_pos_emb=emb)
     out.backward(dy)
     return [out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
 
@@ -150,6 +150,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 res[f"all_reduces {name}"] = counter.n
                 worst[name] = max(_rel(a, b) for a, b in zip(got, ref))
             res["worst"] = worst
+            # a mask per sample ([b, 1, s, s], Megatron's: True is masked out), as
+            # Megatron-LM's data loader gives: each nanobatch gets its half
+            mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None].repeat(
+                BATCH, 1, 1, 1)
+            mask[-1, :, 4:, :2] = True
+            kareus.set_kareus_plan(None)
+            ref_mask = _layer_run(plain, x, dy, emb, mask=mask)
+            kareus.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 1"]))
+            res["mask_worst"] = max(_rel(a, b) for a, b in
+                                    zip(_layer_run(kareus, x, dy, emb, mask=mask), ref_mask))
+            res["mask_changes"] = _rel(ref_mask[0], ref[0]) > 1e-3
         finally:
             dist.all_reduce = counter._orig
 
@@ -314,6 +325,12 @@ def test_every_plan_equals_megatron_s_layer(results):
             assert err < 1e-5, (rank, name, err)
             # the schedule's 4 all-reduces per nanobatch, Megatron's own off
             assert res[f"all_reduces {name}"] == 8, (name, res[f"all_reduces {name}"])
+
+
+def test_a_mask_per_sample_is_cut_with_the_batch(results):
+    for res in results:
+        assert res["mask_changes"]  # the mask matters to the output
+        assert res["mask_worst"] < 1e-5
 
 
 def test_recompute_equals_and_computes_nothing_twice(results):

@@ -78,15 +78,19 @@ def _expected(plan_doc: dict, stage: int) -> list[tuple[str, int, int]]:
             for e in bars]
 
 
-def _settings(plan_doc: dict, stage: int, microbatch: int) -> dict[str, tuple[int, str]]:
-    """Per key, the (SMs, slot) the JSON gives: forward keys from the microbatch's forward,
-    backward keys from its backward."""
+def _settings(plan_doc: dict, stage: int, microbatch: int, direction: str
+              ) -> dict[str, tuple[int, str]]:
+    """Per key, the (SMs, slot) the JSON gives the layers at the mark of ``direction``:
+    at the forward, forward keys from the forward instruction and backward keys from the
+    backward one; at the backward (whose recomputed forward runs at its clock), every key
+    from the backward instruction."""
     out = {}
     for e in plan_doc["execution"]["instruction_knobs"]:
         if (e["stage"], e["microbatch"]) != (stage, microbatch):
             continue
         for k, v in e["knobs"].items():
-            if PARTS[k].direction == e["direction"]:
+            if (PARTS[k].direction == e["direction"] if direction == "forward"
+                    else e["direction"] == "backward"):
                 out[k] = (v["sms"], v["slot"])
     return out
 
@@ -115,7 +119,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             ffn_hidden_size=128, use_cpu_initialization=True, normalization="RMSNorm",
             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
             params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=2)
+            tensor_model_parallel_size=2, recompute_granularity="full",
+            recompute_method="uniform", recompute_num_layers=1)
         spec = kareus_layer_spec(with_core_attention(
             get_gpt_layer_local_spec(normalization="RMSNorm"), SDPACoreAttention))
 
@@ -171,6 +176,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     res["incomplete"] = str(exc)
             mp_plan.detach()
             res[f"plain after detach {stage}"] = chunk.layer.kareus_plan is None
+        # a model without the recompute the plan's job has: its times are not the plan's
+        import dataclasses
+
+        no_recompute = dataclasses.replace(cfg, recompute_granularity=None,
+                                           recompute_method=None, recompute_num_layers=None)
+        lone = build_module(spec, config=no_recompute, layer_number=1)
+        try:
+            MegatronPlan(plan, JOB, 0).attach(torch.nn.ModuleList([lone]))
+            res["recompute mismatch"] = "accepted"
+        except SpecError as exc:
+            res["recompute mismatch"] = str(exc)
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
@@ -202,18 +218,26 @@ def test_every_layer_runs_the_settings_of_its_instruction(driven):
     for res in results:
         for stage in range(PP):
             runs = res[f"runs {stage}"]
-            # each forward once with grad (its instruction, in the layer twice: the
-            # checkpoint's no-grad pass and the recompute in its backward)
+            # each forward once without grad (the checkpoint's first pass: the forward
+            # instruction) and once with grad (the recompute: the backward instruction)
             assert [(m, d) for m, d, grad, _ in runs if not grad] == \
                 [(m, "forward") for m in range(MICROBATCHES)]
             assert sorted((m, d) for m, d, grad, _ in runs if grad) == \
                 [(m, "backward") for m in range(MICROBATCHES)]
-            for m, _d, _grad, settings in runs:
-                assert settings == _settings(doc, stage, m), (stage, m)
+            for m, d, _grad, settings in runs:
+                assert settings == _settings(doc, stage, m, d), (stage, m, d)
             assert res[f"sms {stage}"] == sorted({s for m in range(MICROBATCHES)
-                                                  for s, _ in _settings(doc, stage, m)
+                                                  for d in ("forward", "backward")
+                                                  for s, _ in _settings(doc, stage, m, d)
                                                   .values()})
             assert res[f"plain after detach {stage}"]
+
+
+def test_a_model_without_the_plan_s_recompute_is_refused(driven):
+    _out, results = driven
+    for res in results:
+        assert res["recompute mismatch"].startswith("the model is not the plan's job: "
+                                                    "recompute_granularity None")
 
 
 def test_a_schedule_out_of_the_plan_s_order_fails_at_once(driven):

@@ -26,8 +26,8 @@ from torch import Tensor
 
 class SDPACoreAttention(torch.nn.Module):
     """Core attention by `scaled_dot_product_attention`: query [s, b, heads, d], key and
-    value [s, b, groups, d] (this rank's) -> [s, b, heads·d]. Causal or no mask only;
-    dropout none (the tests and the example run without)."""
+    value [s, b, groups, d] (this rank's) -> [s, b, heads·d]; causal, and/or Megatron's
+    boolean mask (True: masked out); no dropout (the tests and the example run without)."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", cp_comm_type: str | None = None,
@@ -53,8 +53,17 @@ class SDPACoreAttention(torch.nn.Module):
             value = value.repeat_interleave(heads // groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=kind == AttnMaskType.causal,
-                                             scale=self.softmax_scale)
+        causal = kind == AttnMaskType.causal
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                 scale=self.softmax_scale)
+        else:  # Megatron's mask: True where a query must not see a key ([b or 1, 1, s, s])
+            allowed = ~attention_mask.bool()
+            if causal:
+                allowed = allowed & torch.ones(s, key.shape[0], dtype=torch.bool,
+                                               device=query.device).tril()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                 scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 

@@ -30,19 +30,23 @@ def nccl_options(sms: int) -> Any:
 
 def tp_groups_by_sms(tp_group: Any, sms_values: Iterable[int],
                      options: Callable[[int], Any] | None = None) -> GroupsBySms | None:
-    """For each SM count, this rank's TP group with its own communicator (``options``:
-    the process-group options of an SM count, `nccl_options` by default). None under a
-    backend other than NCCL when ``options`` is not given."""
+    """For each SM count any rank asks for (collective: every rank calls it), this rank's
+    TP group with its own communicator (``options``: the process-group options of an SM
+    count, `nccl_options` by default). None under a backend other than NCCL when
+    ``options`` is not given."""
     if options is None:
         if dist.get_backend(tp_group) != "nccl":
             return None
         options = nccl_options
     mine = sorted(dist.get_process_group_ranks(tp_group))
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    tp_groups = sorted({tuple(r) for r in everyone})
+    # every rank creates the same groups in the same order: the TP groups of all ranks,
+    # for the SM counts of all ranks (stages run other clocks, so other settings)
+    dist.all_gather_object(everyone, (mine, sorted(set(sms_values))))
+    tp_groups = sorted({tuple(ranks) for ranks, _ in everyone})
+    all_sms = sorted({s for _, counts in everyone for s in counts})
     groups: dict[int, Any] = {}
-    for sms in sorted(set(sms_values)):
+    for sms in all_sms:
         for ranks in tp_groups:
             g = dist.new_group(list(ranks), pg_options=options(sms))
             if list(ranks) == mine:

@@ -135,7 +135,7 @@ class KareusTransformerLayer(TransformerLayer):
             if kwargs.get(name) is not None:
                 raise SpecError(f"a Kareus plan cannot run a layer called with {name}; "
                                 f"supported: {SUPPORTED}")
-        ops = MegatronLayerOps(self, kwargs)
+        ops = MegatronLayerOps(self, kwargs, hidden_states.shape[1])
         params = [p for p in self.parameters() if p.requires_grad]
         out = OverlappedTP.apply(hidden_states, ops, plan, torch.is_grad_enabled(), *params)
         return out, kwargs.get("context")
@@ -231,14 +231,27 @@ class MegatronLayerOps:
     modules, for one call of the layer (its attention mask, rotary embedding, ...)."""
 
     batch_dim = 1
+    PER_SAMPLE = ("attention_mask", "attention_bias", "padding_mask")
+    """Arguments that may hold one entry per sample along their first dimension ([b, 1,
+    s, s] masks, [b, s] padding): cut to the nanobatch's half (one of size 1 is shared)."""
 
-    def __init__(self, layer: KareusTransformerLayer, kwargs: dict[str, Any]) -> None:
+    def __init__(self, layer: KareusTransformerLayer, kwargs: dict[str, Any],
+                 batch: int) -> None:
         self.layer = layer
         self.group = layer.self_attention.linear_qkv.tp_group
         self.groups_by_sms = layer.kareus_groups_by_sms
         self.kwargs = kwargs
+        self.batch = batch
         self._attn_bias: Tensor | None = None
         self._mlp_bias: Tensor | None = None
+
+    def nanobatch(self, index: int) -> MegatronLayerOps:
+        kw = dict(self.kwargs)
+        for name in self.PER_SAMPLE:
+            v = kw.get(name)
+            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == self.batch > 1:
+                kw[name] = v.chunk(2, dim=0)[index]
+        return MegatronLayerOps(self.layer, kw, self.batch // 2)
 
     def attn_norm(self, x: Tensor) -> Tensor:
         return self.layer.input_layernorm(x)

@@ -9,8 +9,10 @@ plan watches the model chunk itself:
   backward (it fires when autograd reaches the chunk's output, before any of its layers'
   backward, and before Megatron's full recompute re-runs their forward).
 At each, every `KareusTransformerLayer` of the chunk gets the instruction's `LayerPlan`
-(forward partitions at the forward's clock, backward partitions at the backward's), and
-the frequency controller gets the instruction's clock. An instruction the plan does not
+(`MegatronPlan._layer_plan`: at a forward, its partitions at the forward's clock and the
+backward partitions at the backward's; at a backward, the backward instruction's own,
+whose forward partitions run Megatron's full recompute), and the frequency controller gets
+the instruction's clock. An instruction the plan does not
 have next (another microbatch count, an interleaved schedule, a forward where a backward
 is due) raises at once: the plan is never applied to the wrong instruction. Forwards
 without gradients (evaluation) run Megatron's plain layer and are not counted.
@@ -95,7 +97,8 @@ class MegatronPlan:
         """Every instruction marked: (microbatch, direction, the layers' LayerPlan)."""
         self._handles: list[Any] = []
         self._current = 0
-        self._plans = {m: self._layer_plan(m) for m in range(job.num_microbatches)}
+        self._plans = {(m, d): self._layer_plan(m, d) for m in range(job.num_microbatches)
+                       for d in ("forward", "backward")}
 
     @classmethod
     def from_file(cls, path: str | Path, stage: int, **kwargs: Any) -> MegatronPlan:
@@ -114,15 +117,25 @@ class MegatronPlan:
         plan, job = ResultDir(result).read_plan(plan_id)
         return cls(plan, validate_job(dict(job)), stage, **kwargs)
 
-    def _layer_plan(self, microbatch: int) -> LayerPlan | None:
-        """Forward partitions at the forward's clock, backward ones at the backward's;
-        None where the plan runs the microbatch's forward Megatron-style."""
-        fwd = layer_plan_for(self.plan.execution, self.partitions,
-                             (self.stage, microbatch, "forward"), self.default_sms)
+    def _layer_plan(self, microbatch: int, direction: str) -> LayerPlan | None:
+        """What the layers run from the mark of ``direction`` of ``microbatch`` on.
+
+        At the forward: the forward partitions at the forward's clock, and the backward
+        ones at the backward's (without recompute the forward is the only one, and its
+        settings drive the backward too); None where the plan runs the forward
+        Megatron-style. At the backward: the backward instruction's own plan, forward
+        partitions included: under full recompute the forward is re-run inside the
+        backward instruction, at its clock, and that re-run's settings drive the
+        backward; None where the plan runs the backward Megatron-style."""
+        ex, stage = self.plan.execution, self.stage
+        bwd = layer_plan_for(ex, self.partitions, (stage, microbatch, "backward"),
+                             self.default_sms)
+        if direction == "backward":
+            return bwd
+        fwd = layer_plan_for(ex, self.partitions, (stage, microbatch, "forward"),
+                             self.default_sms)
         if fwd is None:
             return None
-        bwd = layer_plan_for(self.plan.execution, self.partitions,
-                             (self.stage, microbatch, "backward"), self.default_sms)
         backward_keys = {k for k, p in self.partitions.items() if p.direction == "backward"}
         settings = {k: s for k, s in fwd.settings.items() if k not in backward_keys}
         if bwd is not None:
@@ -135,9 +148,9 @@ class MegatronPlan:
         return {s.sms for lp in self._plans.values() if lp is not None
                 for s in lp.settings.values() if s.sms > 0}
 
-    def layer_plan(self, microbatch: int) -> LayerPlan | None:
-        """What the layers run for ``microbatch`` (None: Megatron's own layer)."""
-        return self._plans[microbatch]
+    def layer_plan(self, microbatch: int, direction: str = "forward") -> LayerPlan | None:
+        """What the layers run from the mark of that instruction on (None: Megatron's)."""
+        return self._plans[(microbatch, direction)]
 
     # Following the schedule -------------------------------------------------------------
 
@@ -178,6 +191,11 @@ class MegatronPlan:
             got["num_query_groups"] = got["num_attention_heads"]
         wrong = [f"{k} {got[k]} (the plan's job: {v})" for k, v in want.items()
                  if got[k] != v]
+        full = getattr(cfg, "recompute_granularity", None) == "full"
+        if full != self.job.recompute:  # the plan's instruction times assume one or other
+            wrong.append(f"recompute_granularity {getattr(cfg, 'recompute_granularity', None)}"
+                         f" (the plan's job: {'full' if self.job.recompute else 'none'} "
+                         f"recompute)")
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
@@ -230,7 +248,7 @@ class MegatronPlan:
         self._mark(microbatch, "backward")
 
     def _mark(self, microbatch: int, direction: str) -> None:
-        plan = self._plans[microbatch]
+        plan = self._plans[(microbatch, direction)]
         self._set(plan)
         self.log.append((microbatch, direction, plan))
         if self.controller is not None:

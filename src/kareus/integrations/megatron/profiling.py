@@ -13,8 +13,10 @@ GPU). A partition runs through the same pieces as the training executor
   instruction under full recompute keeps no graph), with the slot hook launching the
   collective before the op the slot names;
 - a backward partition: its pieces' graphs are built once, with grad, and differentiated
-  again on every run (``retain_graph``); the collective is launched by a gradient hook on
-  the tensor whose backward the slot names, or at the start for a norm slot.
+  again on every run (``retain_graph``): the norm backward it starts with (``bwd_mlp``:
+  the next layer's input norm; ``bwd_attn``: the MLP norm), then its core; the residual
+  backwards are additions of gradients, not run. The collective is launched by a gradient
+  hook on the tensor whose backward the slot names, or at the start for a norm slot.
 The collective runs on a side stream on CUDA (`kareus.gpu.partition_runner.SideStream`),
 in line on the CPU.
 
@@ -113,7 +115,7 @@ class MegatronRuntime:
 
         emb = rotary_embedding(job.model.head_dim, job.seq_length).to(device)
         self.ops = MegatronLayerOps(self.layer, {"attention_mask": None,
-                                                 "rotary_pos_emb": emb})
+                                                 "rotary_pos_emb": emb}, half)
 
     def runner(self, partition: Partition, slot: str | None, collective: Collective
                ) -> Runner:
@@ -174,12 +176,13 @@ class _BackwardRunner:
         self.launched = False
         tap = BACKWARD_TAPS.get(launch_op or "")
         with torch.enable_grad():
-            if key == "bwd_mlp":
+            if key == "bwd_mlp":  # starts with the next layer's input-norm backward
+                x = rt.r.detach().requires_grad_(True)
+                self.norm: tuple[Tensor, Tensor] = (x, ops.attn_norm(x))
                 bn = ops.mlp_norm(rt.x).detach().requires_grad_(True)
                 taps: Taps = {}
                 self.core_in, self.core_out = bn, ops.mlp_partial(bn, _never, taps)
-                self.norm: tuple[Tensor, Tensor] | None = None
-            else:
+            else:  # starts with the MLP norm's backward
                 h = rt.x.detach().requires_grad_(True)
                 self.norm = (h, ops.mlp_norm(h))
                 a = ops.attn_norm(rt.r).detach().requires_grad_(True)
@@ -204,10 +207,9 @@ class _BackwardRunner:
         if self.launch_op is not None and not self.hooked:  # a norm slot: at the start
             self._launch()
         grad = self.rt.grad
-        if self.norm is not None:  # bwd_attn: the MLP norm's backward first
-            h, bn = self.norm
-            torch.autograd.grad(bn, [h, *self.params], grad, retain_graph=True,
-                                allow_unused=True)
+        x, normed = self.norm  # the norm backward the partition starts with
+        torch.autograd.grad(normed, [x, *self.params], grad, retain_graph=True,
+                            allow_unused=True)
         torch.autograd.grad(self.core_out, [self.core_in, *self.params], grad,
                             retain_graph=True, allow_unused=True)
         self._launch()  # slot "none", or a tap this run did not reach: at the end
