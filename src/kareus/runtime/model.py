@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps, layer_params
 from kareus.runtime.overlap_cp import OverlappedCP
-from kareus.runtime.overlap_tp import Before, OverlappedTP
+from kareus.runtime.overlap_tp import Before, OverlappedTP, no_slot
 from kareus.runtime.primitives import (
     CopyToTP,
     GatherSeq,
@@ -82,13 +82,16 @@ class LlamaLayer(torch.nn.Module):
 
     # The two segments as functions of their inputs -------------------------------------------
 
-    def qkv_core(self, a: torch.Tensor, taps: Taps | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """a (norm output) -> q and this rank's k, v (rotary at their global positions)."""
+    def qkv_core(self, a: torch.Tensor, taps: Taps | None = None,
+                 before: Before = no_slot) -> tuple[torch.Tensor, torch.Tensor]:
+        """a (norm output) -> q and this rank's k, v (rotary at their global positions);
+        ``before``: called with "qkv" and "rope" before those ops."""
         b, s, _ = a.shape
+        before("qkv")
         qkv = a @ self.wqkv
         q, k, v = torch.split(qkv, [self.heads * self.d, self.kv * self.d,
                                     self.kv * self.d], dim=-1)
+        before("rope")
         offset = self.cp_rank * s
         q = rotary(q.reshape(b, s, self.heads, self.d), offset)
         k = rotary(k.reshape(b, s, self.kv, self.d), offset)
@@ -118,20 +121,14 @@ class LlamaLayer(torch.nn.Module):
             taps.update(core_attn=o)
         return o
 
-    def attn_core(self, a: torch.Tensor, taps: Taps | None = None) -> torch.Tensor:
-        """a (norm output) -> partial output projection (CP=1); ``taps`` collects
-        intermediates."""
-        q, kv = self.qkv_core(a, taps)
-        o = self.attention(q, kv, taps)
-        p = o @ self.wo
-        if taps is not None:
-            taps.update(out_proj=p)
-        return p
-
-    def mlp_core(self, bn: torch.Tensor, taps: Taps | None = None) -> torch.Tensor:
+    def mlp_core(self, bn: torch.Tensor, taps: Taps | None = None,
+                 before: Before = no_slot) -> torch.Tensor:
+        before("fc1")
         gu = bn @ self.w1
         gate, up = gu.chunk(2, dim=-1)
+        before("swiglu")
         sw = F.silu(gate) * up
+        before("fc2")
         m = sw @ self.w2
         if taps is not None:
             taps.update(fc1=gu, swiglu=sw, fc2=m)
@@ -145,18 +142,9 @@ class LlamaLayer(torch.nn.Module):
         return rmsnorm(x, self.norm1)
 
     def attn_partial(self, a: torch.Tensor, before: Before, taps: Taps) -> torch.Tensor:
-        before("qkv")
-        b, s, _ = a.shape
-        qkv = a @ self.wqkv
-        q, k, v = torch.split(qkv, [self.heads * self.d, self.kv * self.d,
-                                    self.kv * self.d], dim=-1)
-        before("rope")
-        q = rotary(q.reshape(b, s, self.heads, self.d))
-        k = rotary(k.reshape(b, s, self.kv, self.d))
-        v = v.reshape(b, s, self.kv, self.d)
-        taps.update(qkv=qkv, rope=(q, k))
+        q, kv = self.qkv_core(a, taps, before)
         before("core_attn")
-        o = self.attention(q, torch.cat([k, v], dim=-1), taps)
+        o = self.attention(q, kv, taps)
         before("out_proj")
         p = o @ self.wo
         taps.update(out_proj=p)
@@ -169,15 +157,7 @@ class LlamaLayer(torch.nn.Module):
         return rmsnorm(h, self.norm2)
 
     def mlp_partial(self, bn: torch.Tensor, before: Before, taps: Taps) -> torch.Tensor:
-        before("fc1")
-        gu = bn @ self.w1
-        gate, up = gu.chunk(2, dim=-1)
-        before("swiglu")
-        sw = F.silu(gate) * up
-        before("fc2")
-        m = sw @ self.w2
-        taps.update(fc1=gu, swiglu=sw, fc2=m)
-        return m
+        return self.mlp_core(bn, taps, before)
 
     def mlp_residual(self, h: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
         return h + reduced

@@ -44,8 +44,10 @@ from kareus.runtime.primitives import Group
 Before = Callable[[str], None]
 """Called with a compute op's name just before it runs (the forward's slot hook)."""
 
-NORM_SLOTS_BWD = ("pre_mlp_norm_bwd", "residual_attn_bwd")
-"""Backward slots of the attention partition that start before its MLP-norm backward."""
+
+
+def no_slot(_name: str) -> None:
+    """A `Before` that does nothing (a piece run outside a partition's slot)."""
 
 
 class TPLayerOps(Protocol):
@@ -163,19 +165,15 @@ class _Nanobatch:
             return
         with torch.enable_grad():
             if names[0] == "attn_norm":
-                self.attention(_never)
-                self.attn_residual(self.reduced["attn"], _never)
+                self.attention(no_slot)
+                self.attn_residual(self.reduced["attn"], no_slot)
             else:
-                self.mlp(_never)
+                self.mlp(no_slot)
                 self.mlp_residual(self.reduced["mlp"])
 
     def drop(self) -> None:
         """Forget the pieces (recompute mode keeps only the inputs across the pass)."""
         self.pieces.clear()
-
-
-def _never(_name: str) -> None:
-    return None
 
 
 class _Grads:
@@ -264,7 +262,7 @@ def _forward(nbs: list[_Nanobatch], collective: _Collectives, plan: LayerPlan, d
     nb0, nb1 = nbs
     attn_op, mlp_op = plan.launch_op("fwd_attn"), plan.launch_op("fwd_mlp")
     # P0: nb0.attn (solo)
-    c0 = collective(nb0.attention(_never), "fwd_attn")
+    c0 = collective(nb0.attention(no_slot), "fwd_attn")
     # P1: nb1.attn + AR(nb0.attn)
     p1 = nb1.attention(_slot(c0, attn_op))
     _issue(c0)
@@ -330,7 +328,7 @@ def _attn_backward(nb: _Nanobatch, dh_res: Tensor, db_full: Tensor, grads: _Grad
     """nbX.attn': the MLP norm backward, the attention residual and core backward -> the
     residual's d(x) and partial d(attention norm output)."""
     if pending is not None and launch is not None and launch not in BACKWARD_TAPS:
-        pending.issue()  # a norm or residual slot (NORM_SLOTS_BWD): the partition's start
+        pending.issue()  # a norm or residual slot (pre_mlp_norm_bwd): the partition's start
     gh, = grads(nb.pieces["mlp_norm"], db_full)
     nb.build(PIECES[:3])
     core = nb.pieces["attn_core"]

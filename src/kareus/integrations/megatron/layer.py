@@ -119,10 +119,10 @@ class KareusTransformerLayer(TransformerLayer):
     # Plan ---------------------------------------------------------------------------------
 
     def set_kareus_plan(self, plan: LayerPlan | None) -> None:
-        """Run ``plan`` from the next forward on (None: Megatron's own forward)."""
+        """Run ``plan`` from the next forward on (None: Megatron's own forward). The
+        first plan is checked against the layer (`check_config`, `check_modules`) and
+        hooks its submodules; MegatronPlan sets one at every instruction."""
         if plan is not None:
-            check_config(self.config)
-            check_modules(self)
             self._hook_submodules()
         self.kareus_plan = plan
 
@@ -145,6 +145,8 @@ class KareusTransformerLayer(TransformerLayer):
     def _hook_submodules(self) -> None:
         if self._kareus_hooked:
             return
+        check_config(self.config)
+        check_modules(self)
         self._kareus_hooked = True
         attn, mlp = self.self_attention, self.mlp
         self._pre(attn.linear_qkv, "qkv")
@@ -266,10 +268,15 @@ class MegatronLayerOps:
         return out
 
     def attn_residual(self, x: Tensor, reduced: Tensor) -> Tensor:
+        return self._bias_dropout_add(self.layer.self_attn_bda, reduced, self._attn_bias, x)
+
+    def _bias_dropout_add(self, bda_of: Any, reduced: Tensor, bias: Tensor | None,
+                          residual: Tensor) -> Tensor:
+        """residual + dropout(reduced + bias), by the layer's own bda submodule."""
         layer = self.layer
-        bda = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)
+        bda = bda_of(layer.training, layer.config.bias_dropout_fusion)
         with layer.bias_dropout_add_exec_handler():
-            return bda((reduced, self._attn_bias), x, layer.hidden_dropout)
+            return bda((reduced, bias), residual, layer.hidden_dropout)
 
     def mlp_norm(self, h: Tensor) -> Tensor:
         return self.layer.pre_mlp_layernorm(h)
@@ -282,7 +289,4 @@ class MegatronLayerOps:
         return out
 
     def mlp_residual(self, h: Tensor, reduced: Tensor) -> Tensor:
-        layer = self.layer
-        bda = layer.mlp_bda(layer.training, layer.config.bias_dropout_fusion)
-        with layer.bias_dropout_add_exec_handler():
-            return bda((reduced, self._mlp_bias), h, layer.hidden_dropout)
+        return self._bias_dropout_add(self.layer.mlp_bda, reduced, self._mlp_bias, h)

@@ -39,6 +39,7 @@ from kareus.integrations.megatron.layer import KareusTransformerLayer, MegatronL
 from kareus.integrations.megatron.plan import check_job
 from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import BACKWARD_TAPS, Taps
+from kareus.runtime.overlap_tp import no_slot
 from kareus.workload.partition import Partition
 
 FORWARD_KEYS = ("fwd_attn", "fwd_mlp")
@@ -181,13 +182,13 @@ class _BackwardRunner:
                 self.norm: tuple[Tensor, Tensor] = (x, ops.attn_norm(x))
                 bn = ops.mlp_norm(rt.x).detach().requires_grad_(True)
                 taps: Taps = {}
-                self.core_in, self.core_out = bn, ops.mlp_partial(bn, _never, taps)
+                self.core_in, self.core_out = bn, ops.mlp_partial(bn, no_slot, taps)
             else:  # starts with the MLP norm's backward
                 h = rt.x.detach().requires_grad_(True)
                 self.norm = (h, ops.mlp_norm(h))
                 a = ops.attn_norm(rt.r).detach().requires_grad_(True)
                 taps = {}
-                self.core_in, self.core_out = a, ops.attn_partial(a, _never, taps)
+                self.core_in, self.core_out = a, ops.attn_partial(a, no_slot, taps)
         self.hooked = tap is not None and tap in taps
         if self.hooked:
             tapped = taps[str(tap)]
@@ -217,8 +218,4 @@ class _BackwardRunner:
 
     def synchronize(self) -> None:
         self.side.synchronize()
-
-
-def _never(_name: str) -> None:
-    return None
 
