@@ -177,6 +177,11 @@ class SimulatedIteration(Protocol):
 
     def to_dict(self, with_instructions: bool = False) -> dict[str, Any]: ...
 
+    def breakdown(self) -> list[dict[str, dict[str, float]]]:
+        """Per stage, one GPU's time and energy by where they go (``{class: {"time_s",
+        "energy_j"}}``); times add up to the iteration's."""
+        ...
+
 
 class PlanSimulator(Protocol):
     """Runs a whole plan as one continuous iteration (validation of composed plans)."""

@@ -119,6 +119,10 @@ def simulate(
         "--method", help="A method with a fixed plan: megatron or nanobatch.")] = "megatron",
     freq: Annotated[Optional[int], typer.Option(
         "--freq", help="One SM clock for every instruction (default: max clock).")] = None,
+    breakdown: Annotated[bool, typer.Option(
+        "--breakdown", help="Time and energy per kernel class (GEMM, attention, memory-bound, "
+        "launch gaps, exposed collectives, transfers, data-parallel sync, pipeline "
+        "waits).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Simulate one training iteration of a method on the emulator."""
@@ -132,7 +136,9 @@ def simulate(
     r = simulator.run(plan)
     static_w = r.static_energy_j / (r.time_s * r.num_gpus)
     if json_out:
-        print_json({**r.to_dict(), "job": job.model_dump(mode="json"), "method": method})
+        extra = {"breakdown": r.breakdown()} if breakdown else {}
+        print_json({**r.to_dict(), "job": job.model_dump(mode="json"), "method": method,
+                    **extra})
         return
     console.print(f"[bold]{method}[/bold] on {job.describe()}")
     console.print(
@@ -144,4 +150,31 @@ def simulate(
         energy = s.dynamic_energy_j + r.time_s * static_w
         t.add_row(str(s.index), f"{s.busy_s:,.3f}", f"{r.time_s - s.busy_s:,.3f}",
                   f"{s.dynamic_energy_j / 1e3:,.3f}", f"{energy / 1e3:,.3f}")
+    console.print(t)
+    if breakdown:
+        _print_breakdown(r.breakdown(), r.time_s)
+
+
+BREAKDOWN_LABELS = {
+    "gemm": "GEMM", "attention": "attention", "memory": "memory-bound kernels",
+    "launch_gap": "launch gaps", "collective_exposed": "collectives, exposed",
+    "transfers": "pipeline transfers (sending)", "dp_sync": "data-parallel sync",
+    "pipeline_wait": "pipeline bubbles and waits"}
+
+
+def _print_breakdown(rows: list[dict[str, dict[str, float]]], time_s: float) -> None:
+    """One table: per class, each stage's time (and share) and mean power while in it."""
+    cols = ["class"]
+    for i in range(len(rows)):
+        cols += [f"stage {i} s", "%", "W"]
+    t = table("Where one GPU's iteration goes (hidden collectives are inside the kernel "
+              "they overlap)", tuple(cols))
+    for cls, label in BREAKDOWN_LABELS.items():
+        cells = [label]
+        for row in rows:
+            v = row[cls]
+            power = v["energy_j"] / v["time_s"] if v["time_s"] > 0 else 0.0
+            cells += [f"{v['time_s']:,.3f}", f"{100 * v['time_s'] / time_s:.1f}",
+                      f"{power:,.0f}" if v["time_s"] > 0 else "-"]
+        t.add_row(*cells)
     console.print(t)

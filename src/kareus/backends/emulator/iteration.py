@@ -31,7 +31,7 @@ from functools import partial
 from kareus import SCHEMA_VERSION
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.limiter import LimiterState
-from kareus.backends.emulator.timeline import RunResult
+from kareus.backends.emulator.timeline import KERNEL_CLASSES, RunResult
 from kareus.core import ZERO, Knobs, Measurement
 from kareus.plans.execution import ExecutionPlan
 from kareus.plans.schedule import one_f_one_b, schedule
@@ -45,6 +45,13 @@ class StageReport:
     end_s: float = 0.0
     dynamic_energy_j: float = 0.0
     instructions: list[dict] = field(default_factory=list)
+    classes: list[float] = field(default_factory=lambda: [0.0] * 2 * len(KERNEL_CLASSES))
+    """Its instructions' time, then energy (static included), per `KERNEL_CLASSES`."""
+    transfers_s: float = 0.0
+    transfers_j: float = 0.0
+    """The sends it waits for (`kareus.plans.schedule`: the sender waits for its send)."""
+    dp_sync_s: float = 0.0
+    dp_sync_j: float = 0.0
 
 
 @dataclass
@@ -60,6 +67,27 @@ class IterationResult:
     @property
     def mean_power_per_gpu_w(self) -> float:
         return self.energy_j / (self.num_gpus * self.time_s)
+
+    def breakdown(self) -> list[dict[str, dict[str, float]]]:
+        """Per stage, one GPU's iteration split by where its time goes: ``{class: {"time_s",
+        "energy_j"}}``. Classes: `KERNEL_CLASSES` (compute kernels by kind, launch gaps,
+        exposed collectives; hidden collectives are inside their compute kernel's time),
+        then ``transfers`` (its sends), ``dp_sync`` (the data-parallel gradient sync) and
+        ``pipeline_wait`` (bubbles and waits for the neighbours' transfers, at static power).
+        Times add up to ``time_s``; energies times GPUs per stage, over stages, to
+        ``energy_j``."""
+        static_w = self.static_energy_j / (self.num_gpus * self.time_s)
+        n = len(KERNEL_CLASSES)
+        out = []
+        for s in self.stages:
+            row = {c: {"time_s": s.classes[i], "energy_j": s.classes[n + i]}
+                   for i, c in enumerate(KERNEL_CLASSES)}
+            row["transfers"] = {"time_s": s.transfers_s, "energy_j": s.transfers_j}
+            row["dp_sync"] = {"time_s": s.dp_sync_s, "energy_j": s.dp_sync_j}
+            wait_s = self.time_s - sum(v["time_s"] for v in row.values())
+            row["pipeline_wait"] = {"time_s": wait_s, "energy_j": wait_s * static_w}
+            out.append(row)
+        return out
 
     def to_dict(self, with_instructions: bool = False) -> dict:
         stages = []
@@ -156,8 +184,9 @@ class IterationSimulator:
     # Continuous instructions ----------------------------------------------------------------
 
     def _continuous(self, plan: ExecutionPlan, iid: tuple[int, int, str], freq_mhz: int,
-                    state: LimiterState) -> Measurement:
-        """Instruction ``iid`` as one timeline from ``state`` (updated to its end state)."""
+                    state: LimiterState, classes: list[float] | None = None) -> Measurement:
+        """Instruction ``iid`` as one timeline from ``state`` (updated to its end state);
+        its time and energy per kernel class are added to ``classes``."""
         stage, microbatch, direction = iid
         if plan.runs_sequential(stage, direction, microbatch):
             config: tuple = ("seq", stage, direction)
@@ -168,6 +197,9 @@ class IterationSimulator:
         for step_key, run in self._step_runs(config, freq_mhz):
             r = self._step(step_key, run, freq_mhz, state)
             t, e = t + r.time_s, e + r.energy_j
+            if classes is not None:
+                for i, v in enumerate(r.classes):
+                    classes[i] += v
         return Measurement.from_time_energy(t, e, self.backend.static_power_w,
                                             float(freq_mhz))
 
@@ -243,6 +275,7 @@ class IterationSimulator:
         ends = [b.predict_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
                 for g in stages]
         costs: dict = {}
+        reports = [StageReport(s) for s in range(pp)]
         states = [b.timeline.idle_state() for _ in range(pp)]
         free_at = [0.0] * pp
 
@@ -250,7 +283,7 @@ class IterationSimulator:
             s, m, d = iid
             f = plan.freq(s, m, d)
             b.timeline.rest(states[s], start - free_at[s], f)
-            costs[iid] = self._continuous(plan, iid, f, states[s])
+            costs[iid] = self._continuous(plan, iid, f, states[s], reports[s].classes)
             free_at[s] = start + costs[iid].time_s
             return costs[iid].time_s
 
@@ -262,7 +295,6 @@ class IterationSimulator:
                           [send(s, "send_activation") for s in range(pp)],
                           [send(s, "send_grad") for s in range(pp)],
                           [e.time_s for e in ends], duration_at=duration_at)
-        reports = [StageReport(s) for s in range(pp)]
         for s in range(pp):
             rep = reports[s]
             for m, d in one_f_one_b(pp, mbs, s):
@@ -276,8 +308,11 @@ class IterationSimulator:
                         "dynamic_energy_j": cost.dynamic_energy_j})
             for sent in sends[s].values():
                 rep.dynamic_energy_j += sent.dynamic_energy_j * mbs
+                rep.transfers_s += sent.time_s * mbs
+                rep.transfers_j += sent.energy_j * mbs
             rep.busy_s += ends[s].time_s
             rep.dynamic_energy_j += ends[s].dynamic_energy_j
+            rep.dp_sync_s, rep.dp_sync_j = ends[s].time_s, ends[s].energy_j
             rep.end_s = timing.stage_end[s]
         time_s = timing.iteration_s
         gpus_per_stage = job.num_gpus // pp

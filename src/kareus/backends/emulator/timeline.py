@@ -37,6 +37,16 @@ def _fields(r: RunResult) -> tuple[float, float, float, float, float]:
     return (r.time_s, r.energy_j, r.freq_time_mhz_s, r.compute_end_s, r.overlap_s)
 
 
+KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "memory", "launch_gap",
+                                   "collective_exposed")
+"""What an interval of a run is charged to (`RunResult.classes`): the kind of the compute
+stream's kernel; a launch gap; or a collective the compute stream waits for (a blocking one,
+or the side one outlasting the compute). A collective beside a compute kernel is hidden:
+its time is the kernel's (`RunResult.overlap_s`), its power is in the kernel's interval."""
+_CLASS_OF = {"gemm": 0, "attention": 1, "memory": 2, "gap": 3, "lat": 4, "xfer": 4}
+_EXPOSED = 4
+
+
 @dataclass(frozen=True)
 class RunResult:
     time_s: float
@@ -47,6 +57,9 @@ class RunResult:
     """When the compute stream finished (before the end when the collective outlasts it)."""
     overlap_s: float
     """Time during which the communication stream ran alongside the compute stream."""
+    classes: tuple[float, ...] = ()
+    """Time (s) then energy (J, static included) per `KERNEL_CLASSES` entry: they add up to
+    ``time_s`` and ``energy_j``. Set by `Timeline.run`; empty for steady-state averages."""
 
 
 class Timeline:
@@ -120,6 +133,8 @@ class Timeline:
         side_items = self.collective_items(side) if side is not None else []
 
         t = energy = ftime = compute_end = overlap = 0.0
+        n_cls = len(KERNEL_CLASSES)
+        tally = [0.0] * (2 * n_cls)
         mi, si = 0, 0  # next item index on each stream
         m_cur: Item | None = None
         s_cur: Item | None = None
@@ -154,6 +169,12 @@ class Timeline:
                 overlap += dt
             energy += power * dt
             ftime += f_eff * dt
+            if m_cur is None:
+                cls = _EXPOSED
+            else:
+                cls = _CLASS_OF[m_cur[1].kind if m_cur[0] == "op" else m_cur[0]]
+            tally[cls] += dt
+            tally[n_cls + cls] += power * dt
             if m_cur is not None:
                 if dt_m <= dt:
                     m_cur = None
@@ -165,7 +186,7 @@ class Timeline:
                     s_cur = None
                 else:
                     s_rem -= dt / d_s
-        return RunResult(t, energy, ftime, compute_end, overlap)
+        return RunResult(t, energy, ftime, compute_end, overlap, tuple(tally))
 
     # A measurement: the run repeated, in the limiter's steady state ------------------------
 
