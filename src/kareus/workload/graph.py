@@ -158,6 +158,29 @@ def layer_params(job: JobSpec) -> int:
     return attn + mlp + norms
 
 
+def _cross_entropy(logits: int) -> tuple[ComputeOp, ComputeOp]:
+    """Megatron-Core's vocab-parallel cross-entropy (`tensor_parallel/cross_entropy.py`,
+    the unfused path) as the passes it makes over one rank's logits, bytes per logit:
+    forward: cast to fp32 (2 read + 4 written), max (4), subtract the max in place (8),
+    exp in place (8), sum (4), divide by the sum in place (8) = 38; backward: scale the
+    saved softmax by the loss gradient in place (8), cast to bf16 for the LM head's
+    backward GEMMs (6) = 14 (the target logit's one-hot update touches one entry per row)."""
+    fwd = memory_op("cross_entropy", "other", 5 * logits, 38 * logits)
+    bwd = memory_op("cross_entropy_bwd", "other", 2 * logits, 14 * logits)
+    return fwd, bwd
+
+
+def _optimizer_step(params: int, shards: int) -> ComputeOp:
+    """Megatron's mixed-precision Adam over one rank's parameters, bytes per parameter:
+    bf16 gradients to fp32 main gradients (2 + 4), the gradient norm for clipping (4), Adam
+    reading the main gradient, main parameter and both moments and writing the last three
+    (28), the main parameters back to bf16 (4 + 2); with the distributed optimizer each of
+    ``shards`` ranks does 1/shards of it; then every rank zeroes its bf16 gradient buffer
+    (2). ~15 FLOPs per parameter (Adam's update)."""
+    return memory_op("optimizer_step", "other", 15 * params / shards,
+                     44 * params / shards + 2 * params)
+
+
 def _stage(job: JobSpec, index: int) -> StageGraph:
     m = job.model
     first, last = index == 0, index == job.pp - 1
@@ -185,16 +208,14 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         norm = memory_op("final_norm", "norm", 4 * tokens * h, (2 * tokens * h + h) * E)
         head = gemm("lm_head", tokens, vocab_local, h)
         logits = tokens * vocab_local
-        # vocab-parallel cross-entropy: max, exp-sum, target logit; reads the bf16 logits
-        # twice and writes the fp32 softmax statistics
-        loss = memory_op("cross_entropy", "other", 5 * logits, 3 * logits * E)
+        loss, loss_bwd = _cross_entropy(logits)
         stats = Collective("loss_ar", "all_reduce", "tp", job.tp, float(3 * tokens * 4))
         fwd_post += [norm]
         if job.sequence_parallel:
             fwd_post.append(Collective("lm_head_ag", "all_gather", "tp", job.tp, act_bytes))
         fwd_post += [head, loss, stats]
         bwd_pre += [
-            memory_backward(loss),
+            loss_bwd,
             *linear_backward(head),
             Collective("lm_head_grad_ar", tp_out_kind, "tp", job.tp, act_bytes,
                        overlaps_weight_grad=True),
@@ -209,10 +230,10 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
     end: list[Op] = []
     dp_group = (job.dp or 1) * job.cp
     if dp_group > 1:
-        end += [
-            Collective("grad_rs", "reduce_scatter", "dp", dp_group, float(params * E)),
-            Collective("param_ag", "all_gather", "dp", dp_group, float(params * E)),
-        ]
+        end.append(Collective("grad_rs", "reduce_scatter", "dp", dp_group, float(params * E)))
+    end.append(_optimizer_step(params, dp_group))
+    if dp_group > 1:
+        end.append(Collective("param_ag", "all_gather", "dp", dp_group, float(params * E)))
     return StageGraph(
         index=index,
         num_layers=layers,

@@ -70,13 +70,20 @@ def _residual_add(name: str, tokens: int, width: int) -> ComputeOp:
     return memory_op(name, "norm", tokens * width, 3 * tokens * width * E)
 
 
+def layer_sequences(job: JobSpec) -> int:
+    """The sequences of the execution graph's layer op lists: one nanobatch; the whole
+    microbatch where the job does not split it (`JobSpec.splits_into_nanobatches`)."""
+    return job.nanobatch_size if job.splits_into_nanobatches else job.micro_batch_size
+
+
 class LayerShapes:
-    """Per-rank tensor sizes of one nanobatch, derived once from the job."""
+    """Per-rank tensor sizes of one nanobatch (or ``sequences``), derived once from the
+    job."""
 
     def __init__(self, job: JobSpec, sequences: int | None = None) -> None:
         m = job.model
         self.job = job
-        self.b = sequences or job.nanobatch_size
+        self.b = sequences if sequences is not None else layer_sequences(job)
         self.s_local = job.local_seq_length
         self.s_full = job.seq_length
         self.tokens = self.b * self.s_local  # tokens one rank computes GEMMs on
@@ -126,7 +133,8 @@ def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
         kv = sh.b * sh.s_full * hkv * d
         return [ComputeOp("core_attn", "attention",
                           flops=2.0 * sh.b * sh.s_local * sh.s_full * hq * d,
-                          bytes_=float(2 * q + 2 * kv) * E, slot_class="attn")]
+                          bytes_=float(2 * q + 2 * kv) * E, slot_class="attn",
+                          attn_keys=sh.s_full, attn_causal=True)]
     chunk = sh.s_full // (2 * job.cp)
     out = []
     for i, c in enumerate((0, 2 * job.cp - 1)):
@@ -134,8 +142,10 @@ def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
         # full blocks against the c earlier chunks, half of the diagonal block
         flops = 4.0 * sh.b * chunk * hq * d * (c * chunk + chunk / 2)
         bytes_ = float(2 * sh.b * chunk * hq * d + 2 * sh.b * keys * hkv * d) * E
+        # chunk 0 is a causal square; the last chunk is mostly full blocks (non-causal)
         out.append(ComputeOp("core_attn" if i == 0 else "core_attn_2", "attention", flops,
-                             bytes_, "attn", opens_slot=i == 0))
+                             bytes_, "attn", opens_slot=i == 0, attn_keys=keys,
+                             attn_causal=c == 0))
     return out
 
 
@@ -217,7 +227,7 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
         ops.append(_cp_gather(job, "kv_regather", "o", sh))
     # reads q, k, v, o, dO; writes dq, dk, dv
     ops += [ComputeOp(f"{a.name}_bwd", "attention", 2.5 * a.flops, 2.0 * a.bytes_, "attn",
-                      opens_slot=a.opens_slot)
+                      opens_slot=a.opens_slot, attn_keys=a.attn_keys, attn_causal=a.attn_causal)
             for a in (op for op in f.values() if op.kind == "attention")]
     if cp:
         ops.append(_cp_scatter(job, "dkv_rs", "a", sh))

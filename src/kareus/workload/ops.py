@@ -36,6 +36,11 @@ class ComputeOp:
     opens_slot: bool = True
     """False for a kernel that continues its predecessor's launch slot (a linear's weight
     gradient GEMM follows its data gradient GEMM in the same backward)."""
+    attn_keys: int = 0
+    """Attention only: the keys the longest query row attends to (the sequence length of a
+    plain causal attention), which sets a flash-attention kernel's efficiency."""
+    attn_causal: bool = False
+    """Attention only: a causal square (the score matrix's upper triangle skipped)."""
 
     @property
     def is_collective(self) -> bool:
@@ -45,6 +50,8 @@ class ComputeOp:
         d: dict = {"name": self.name, "kind": self.kind, "flops": self.flops, "bytes": self.bytes_}
         if self.gemm_shapes:
             d["gemm_shapes"] = [list(s) for s in self.gemm_shapes]
+        if self.attn_keys:
+            d["attn_keys"], d["attn_causal"] = self.attn_keys, self.attn_causal
         return d
 
 

@@ -226,6 +226,13 @@ def iteration_anchor(calibration=None) -> list[Anchor]:
     ]
 
 
+def _kernel_groups() -> dict[str, Callable[..., list[Anchor]]]:
+    from kareus.backends.emulator import kernel_anchors as k  # it builds on this module
+
+    return {"gemm_shape": k.gemm_shape_anchor, "attention": k.attention_anchor,
+            "memory_bandwidth": k.memory_bandwidth_anchor}
+
+
 ANCHOR_GROUPS: dict[str, Callable[..., list[Anchor]]] = {
     "gemm": gemm_anchor,
     "memory": memory_anchor,
@@ -236,6 +243,9 @@ ANCHOR_GROUPS: dict[str, Callable[..., list[Anchor]]] = {
     "hopper_clock": hopper_clock_anchor,
     "iteration": iteration_anchor,
 }
+
+
+ANCHOR_GROUPS.update(_kernel_groups())
 
 
 def all_anchors(calibration: str | Path | None = None) -> list[Anchor]:

@@ -101,8 +101,8 @@ def fit_params(rows: list[CalibrationRow], base: EmulatorParams) -> EmulatorPara
     return replace(
         base,
         gemm_efficiency=clamp(base.gemm_efficiency / slow_compute),
-        attention_efficiency=clamp(base.attention_efficiency / slow_compute),
-        attention_bwd_efficiency=clamp(base.attention_bwd_efficiency / slow_compute),
+        attention_efficiency_scale=clamp(base.attention_efficiency_scale / slow_compute,
+                                         hi=2.0),
         hbm_efficiency=clamp(base.hbm_efficiency / slow_memory),
         sm_dynamic_power_w=max(1.0, base.sm_dynamic_power_w * hungry),
     )

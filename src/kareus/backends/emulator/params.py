@@ -34,7 +34,7 @@ class EmulatorParams:
     reduction (gemm.py: eff = this x tile reuse x k / (k + gemm_k0)). Solved so an A100
     bf16 8192^3 GEMM on all-zero inputs, i.e. without power throttling, runs at 295 of 312
     TFLOP/s (anchors §1): 0.96 x 8192 / (8192 + 128) x 19 waves' 0.998 fill = 0.944."""
-    gemm_k0: float = 128.0
+    gemm_k0: float = 160.0
     """Prologue + epilogue of one tile in units of reduction length: eff ~ k / (k + k0).
     Inferred (docs/emulator.md, "GEMM tiles"): a 3-4 stage pipeline of 32-64 deep k-blocks
     to fill, and the output tile to write, before and after the mainloop."""
@@ -43,17 +43,28 @@ class EmulatorParams:
     (cuBLASLt's SM-count target set to what a collective leaves, as a system that
     partitions SMs does); N > 0: always N (plain cuBLAS plans for the whole GPU, as in the
     published interference measurements, anchors §3)."""
-    attention_efficiency: float = 0.62
-    """Flash attention forward, fraction of peak (FlashAttention-2 on A100, ~190 TFLOP/s)."""
-    attention_bwd_efficiency: float = 0.50
-    hbm_efficiency: float = 0.90
-    """Achievable fraction of the HBM datasheet bandwidth for streaming kernels."""
+    gemm_fixed_s: float = 2.5e-6
+    """Time of a GEMM kernel that does not scale with its tiles: the grid's ramp-up and the
+    drain of its last wave. Fitted, with ``gemm_k0``, to XLA's table of measured H100 bf16
+    GEMMs by shape (docs/anchors.md §8): k0 = 128 (the value inferred before) and 6.5 us fit
+    all nine shapes within 4% (tests/backends/emulator/test_anchors.py). No A100 table is
+    public: the same time is used there (inferred), varied 3-10 us by the sensitivity."""
+    attention_efficiency_scale: float = 1.0
+    """Multiplies the published flash-attention efficiencies (attention.py); 1 by default,
+    set by `kareus calibrate --fit` from a real GPU's measurements."""
+    hbm_efficiency: float = 0.88
+    """Achieved fraction of the HBM datasheet bandwidth for streaming kernels: a public
+    A100-80GB read test reached 1.80 of 2.04 TB/s (88%); H100 RMSNorm / softmax /
+    cross-entropy kernels hold ~90% of 3.35 TB/s once rows exceed 4k elements
+    (docs/anchors.md §8)."""
     memory_issue_fraction: float = 0.35
     """A memory-bound kernel's instruction-issue time at max clock, as a fraction of its
     memory time: it becomes clock-bound only below ~35% of max clock, so its time is nearly
     independent of the clock in the search range (anchors §2)."""
     launch_overhead_s: float = 4e-6
-    """GPU-side gap between two back-to-back kernels on one stream."""
+    """GPU-side gap between two back-to-back kernels on one stream. No authoritative public
+    number ("a couple of microseconds" per launch is anecdotal, docs/anchors.md §8): a model
+    choice, varied 1-10 us by `kareus compare --sensitivity`."""
 
     # Collectives ---------------------------------------------------------------------------
     coll_cta_busbw_bytes_s: float = 12.8e9
@@ -106,7 +117,11 @@ class EmulatorParams:
     sm_base_activity: float = 0.15
     """Fraction of an SM's full dynamic power drawn when it runs a kernel but stalls."""
     activity_gemm: float = 1.0
-    activity_attention: float = 0.8
+    activity_attention: float = 1.3
+    """Per unit of tensor work relative to the best GEMM's (physics.py scales it by the
+    kernel's efficiency over ``gemm_efficiency``): softmax's exponentials and the on-chip
+    rescaling draw on top of the MMAs. Solved so that FlashAttention-2's forward at 4k run
+    in a loop on an A100 holds ~1200 MHz at 400 W, as a public run did (anchors §8)."""
     activity_memory: float = 1.05
     """Scaled by the issue-busy fraction (~0.35 at max clock): an A100 memory-bound kernel
     at full utilisation then draws ~327 W (anchors §1)."""
@@ -149,6 +164,7 @@ def _architecture_params(gpu: GPUSpec) -> EmulatorParams:
             coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
             # solved so a GEMM at 700 W sustains ~1500 MHz (anchors §1, H200 report)
             sm_dynamic_power_w=950.0,
+            hbm_efficiency=0.90,  # H100 RMSNorm / softmax kernels (anchors §8)
             hbm_power_w=90.0,
             link_power_w=15.0,
             # H200 fit is the default; the H100 one-wave GEMM under a 24-CTA AllGather

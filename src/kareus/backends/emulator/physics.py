@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kareus.backends.emulator import attention
 from kareus.backends.emulator.gemm import GemmModel, tile_catalog
 from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams
 from kareus.job.hardware import GPUSpec
@@ -65,6 +66,7 @@ class GPUPhysics:
         self.inter_link = 0.9 * gpu.internode_bytes_s
         self.gemm = GemmModel(tile_catalog(gpu.name), params.gemm_efficiency, params.gemm_k0,
                               params.gemm_tile_plan_sms)
+        self._attention_eff: dict[tuple[int, bool, bool], float] = {}
 
     # Voltage and per-SM dynamic power ------------------------------------------------------
 
@@ -90,13 +92,37 @@ class GPUPhysics:
         flop_rate_per_sm = self.gpu.flop_per_clock_per_sm * f_mhz * 1e6
         if op.kind == "gemm":  # tile chosen by shape and SMs, waves x tile time (gemm.py)
             return self.gemm.plan(op.gemm_shapes, sms).work_flop / flop_rate_per_sm
-        if op.kind == "attention":
-            eff = p.attention_bwd_efficiency if op.name.endswith("_bwd") else (
-                p.attention_efficiency)
-            return op.flops / (flop_rate_per_sm * sms * eff)
+        if op.kind == "attention":  # published flash-attention throughput (attention.py)
+            return op.flops / (flop_rate_per_sm * sms * self.attention_efficiency(op))
         # memory-bound: instruction issue, clock- and SM-bound, a fraction of its memory time
         return (p.memory_issue_fraction * op.bytes_ / self.hbm_bw
                 * (self.f_max / f_mhz) * (self.n_sm / sms))
+
+    def attention_efficiency(self, op: ComputeOp) -> float:
+        """Fraction of peak at the set clock of a flash-attention kernel (attention.py)."""
+        key = (op.attn_keys or 4096, op.attn_causal, op.name.endswith("_bwd"))
+        hit = self._attention_eff.get(key)
+        if hit is None:
+            hit = self._attention_eff[key] = self._held_clock_efficiency(*key)
+        return hit
+
+    def _held_clock_efficiency(self, keys: int, causal: bool, backward: bool) -> float:
+        """The published throughput was measured at the clock the kernel held at the power
+        limit: the highest table clock at which the kernel, running at the efficiency that
+        gives that throughput there, draws at most TDP (all SMs, HBM power left out)."""
+        p = self.p
+        peak = self.gpu.flop_per_clock_per_sm * self.n_sm * self.f_max * 1e-6  # TFLOP/s
+        fraction = attention.published_fraction(self.gpu.name, peak, keys, causal, backward)
+        static = self.gpu.static_power_w * p.static_power_scale
+        eff = fraction
+        for f in self.clock_table[::-1]:  # from max clock down
+            eff = min(0.95, fraction * self.f_max / f * p.attention_efficiency_scale)
+            busy = p.activity_attention * eff / p.gemm_efficiency
+            power = static + p.sm_dynamic_power_w * self.sm_power_scale(f) * (
+                p.sm_base_activity + busy)
+            if power <= self.gpu.tdp_w:
+                break
+        return eff
 
     def active_sms(self, op: ComputeOp, sms: int) -> float:
         """Mean number of SMs a kernel keeps busy (a GEMM's last wave is partial)."""
@@ -128,9 +154,13 @@ class GPUPhysics:
         bw = min(hbm_alloc, self.memory_bandwidth(op, sms))
         t_mem = op.bytes_ / bw if op.bytes_ > 0 else 0.0
         duration = max(t_comp * contention, t_mem, 1e-9)
+        if op.kind == "gemm":  # each kernel's ramp and drain, SMs mostly idle (params.py)
+            duration += self.p.gemm_fixed_s * len(op.gemm_shapes)
         busy = t_comp / duration
         if op.kind == "gemm":  # prologue, epilogue and operand stalls draw less (gemm.py)
             busy *= self.gemm.plan(op.gemm_shapes, sms).tensor_busy
+        elif op.kind == "attention":  # tensor work per second relative to the best GEMM
+            busy *= self.attention_efficiency(op) / self.p.gemm_efficiency
         activity = {"gemm": self.p.activity_gemm, "attention": self.p.activity_attention,
                     "memory": self.p.activity_memory}[op.kind]
         sm_power = (self.p.sm_dynamic_power_w * self.active_sms(op, sms) / self.n_sm
