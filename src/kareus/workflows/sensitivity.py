@@ -78,6 +78,17 @@ CONSTANTS: tuple[Constant, ...] = (
              "on A100, measured blocked in a collective, anchors §1), not a datasheet "
              "number; leakage grows with temperature and boards differ: +-15% (72-98 W on "
              "A100; H100/H200's unpublished 90-145 W is wider)"),
+    Constant("launch_overhead_s", 1e-6, 10e-6, False,
+             "no authoritative public number: 'a couple of microseconds' per launch is "
+             "anecdotal (anchors §8); 1-10 us around the nominal 4 us"),
+    Constant("gemm_fixed_s", 1e-6, 6.5e-6, False,
+             "fitted to XLA's H100 shape table (2.5 us, anchors §8) and used on A100 "
+             "without an A100 table; 1 us to the 6.5 us the same table gives when every "
+             "shape is taken at one clock"),
+    Constant("activity_attention", 1.0, 1.6, False,
+             "solved from one public A100 run holding 'about 1200 MHz' under "
+             "FlashAttention-2 (anchors §8); 1.0 (draws as a GEMM of the same tensor work) "
+             "to 1.6 (held near 1100 MHz)"),
 )
 
 

@@ -4,6 +4,11 @@ is welcome, loosening them needs a reason in the commit message."""
 import pytest
 
 from kareus.backends.emulator.anchors import ANCHOR_GROUPS, all_anchors
+from kareus.backends.emulator.kernel_anchors import (
+    FA2_A100_FWD_BWD,
+    FA2_H100_FWD_BWD_CAUSAL,
+    XLA_H100_TFLOPS,
+)
 
 BOUNDS = {
     "A100 bf16 GEMM 8192^3 at 1410 MHz, throughput": 0.03,
@@ -31,6 +36,14 @@ BOUNDS = {
     "H200 GEMM at a locked 1830 MHz, sustained clock at 700 W": 0.08,
     "kareus-1 Megatron iteration time at max clock": 0.20,
     "kareus-1 Megatron mean power per GPU": 0.20,
+    **{f"H100 bf16 GEMM {b}x{m}x{n}x{k}": 0.10 for (b, m, n, k), _ in XLA_H100_TFLOPS},
+    **{f"A100 FlashAttention-2 fwd+bwd, seq {s}, {mask}": 0.03
+       for s in FA2_A100_FWD_BWD for mask in ("causal", "non-causal")},
+    **{f"H100 FlashAttention-2 fwd+bwd, seq {s}, causal": 0.03
+       for s in FA2_H100_FWD_BWD_CAUSAL},
+    "A100 FlashAttention-2 forward at seq 4096, clock held at 400 W": 0.05,
+    "A100-80GB read test, achieved bandwidth": 0.03,
+    "H100 RMSNorm, rows of 8k, achieved bandwidth": 0.03,
 }
 
 KNOWN_MISSES = {
@@ -65,4 +78,21 @@ def test_energy_rises_again_at_the_bottom_and_power_falls_at_the_top(anchors):
 
 def test_groups_are_listed():
     assert {"gemm", "memory", "a40_profile", "nccl", "comm_power", "overlap", "hopper_clock",
-            "iteration"} == set(ANCHOR_GROUPS)
+            "iteration", "gemm_shape", "attention", "memory_bandwidth"} == set(ANCHOR_GROUPS)
+
+
+def test_small_k_hurts_more_than_small_n(anchors):
+    """XLA's H100 table: at the same m and the same small size, a GEMM with k = 256 runs
+    far slower than one with n = 256; the tile model plus a GEMM's fixed time agree."""
+    small_k = anchors["H100 bf16 GEMM 4x4096x4096x256"].emulated
+    small_n = anchors["H100 bf16 GEMM 2x4096x256x4096"].emulated
+    assert small_k < small_n
+
+
+def test_causal_attention_runs_below_full_and_short_below_long(anchors):
+    def a(seq, mask):
+        return anchors[f"A100 FlashAttention-2 fwd+bwd, seq {seq}, {mask}"].emulated
+
+    for seq in FA2_A100_FWD_BWD:
+        assert a(seq, "causal") < a(seq, "non-causal")
+    assert a(512, "causal") < a(4096, "causal") < a(16384, "causal") * 1.001
