@@ -2,6 +2,7 @@ import pytest
 
 from kareus.job.sources import build_job
 from kareus.workload.graph import ExecutionGraph, layer_params
+from kareus.workload.ops import Collective
 
 
 def _graph(preset="kareus-1", **overrides):
@@ -94,7 +95,8 @@ def test_iteration_flops_follow_the_counting_rule():
         outside = sum(op.flops for ops in (stage.forward_pre, stage.forward_post,
                                            stage.backward_pre, stage.backward_post)
                       for op in ops)
-        expected = job.num_microbatches * (stage.num_layers * per_layer + outside)
+        once = sum(op.flops for op in stage.iteration_end)  # the optimizer step
+        expected = job.num_microbatches * (stage.num_layers * per_layer + outside) + once
         assert got == pytest.approx(expected, rel=1e-9)
 
 
@@ -142,8 +144,34 @@ def test_parameter_count_matches_the_model():
 
 
 def test_dp_sync_only_when_weights_are_replicated():
-    assert all(not s.iteration_end for s in _graph().stages)
+    def colls(stage):
+        return [op for op in stage.iteration_end if isinstance(op, Collective)]
+
+    assert all(not colls(s) for s in _graph().stages)
     cp = _graph("kareus-2")
-    assert all(op.group_size == 2 for s in cp.stages for op in s.iteration_end)
+    assert all(op.group_size == 2 for s in cp.stages for op in colls(s))
     dp = _graph(nodes=4)
-    assert [op.kind for op in dp.stages[0].iteration_end] == ["reduce_scatter", "all_gather"]
+    assert [op.kind for op in colls(dp.stages[0])] == ["reduce_scatter", "all_gather"]
+    rs, ag = colls(dp.stages[0])
+    # fp32 gradients reduced, bf16 parameters gathered (Megatron-LM with bf16)
+    assert rs.bytes_ == pytest.approx(4 * dp.stages[0].params)
+    assert ag.bytes_ == pytest.approx(2 * dp.stages[0].params)
+
+
+def test_every_stage_steps_its_optimizer_once_per_iteration():
+    """Adam's bytes: 38 per parameter shared over the data-parallel group, plus zeroing
+    the fp32 gradient buffer (4 per parameter) on every rank."""
+    for g, shards in ((_graph(), 1), (_graph(nodes=4), 2)):
+        for stage in g.stages:
+            (step,) = [op for op in stage.iteration_end if op.name == "optimizer_step"]
+            assert step.kind == "memory"
+            assert step.bytes_ == pytest.approx(stage.params * (38 / shards + 4))
+
+
+def test_cross_entropy_moves_megatrons_passes_over_the_logits():
+    job = build_job("kareus-1")
+    last = _graph().stages[-1]
+    logits = job.micro_batch_size * job.seq_length * -(-job.model.vocab_size // job.tp)
+    fwd = next(op for op in last.forward_post if op.name == "cross_entropy")
+    bwd = next(op for op in last.backward_pre if op.name == "cross_entropy_bwd")
+    assert (fwd.bytes_, bwd.bytes_) == (38 * logits, 14 * logits)

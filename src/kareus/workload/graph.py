@@ -171,14 +171,15 @@ def _cross_entropy(logits: int) -> tuple[ComputeOp, ComputeOp]:
 
 
 def _optimizer_step(params: int, shards: int) -> ComputeOp:
-    """Megatron's mixed-precision Adam over one rank's parameters, bytes per parameter:
-    bf16 gradients to fp32 main gradients (2 + 4), the gradient norm for clipping (4), Adam
-    reading the main gradient, main parameter and both moments and writing the last three
-    (28), the main parameters back to bf16 (4 + 2); with the distributed optimizer each of
-    ``shards`` ranks does 1/shards of it; then every rank zeroes its bf16 gradient buffer
-    (2). ~15 FLOPs per parameter (Adam's update)."""
+    """Megatron's mixed-precision Adam over one rank's parameters, bytes per parameter. With
+    bf16, Megatron-LM accumulates and reduces gradients in fp32 (its arguments.py forces
+    `accumulate_allreduce_grads_in_fp32`), so the main gradient is the fp32 grad buffer:
+    the gradient norm for clipping (4), Adam reading the main gradient, main parameter and
+    both moments and writing the last three (28), the main parameters back to bf16
+    (4 + 2); with the distributed optimizer each of ``shards`` ranks does 1/shards of it;
+    then every rank zeroes its fp32 gradient buffer (4). ~15 FLOPs per parameter."""
     return memory_op("optimizer_step", "other", 15 * params / shards,
-                     44 * params / shards + 2 * params)
+                     38 * params / shards + 4 * params)
 
 
 def _stage(job: JobSpec, index: int) -> StageGraph:
@@ -226,11 +227,12 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
 
     # Weights are replicated across DP and CP ranks, so gradients are reduced over both
     # (Megatron's data-parallel group includes the context-parallel ranks); distributed
-    # optimizer: reduce-scatter the bf16 gradients, all-gather the updated bf16 parameters.
+    # optimizer: reduce-scatter the gradients, step, all-gather the updated bf16 parameters.
     end: list[Op] = []
     dp_group = (job.dp or 1) * job.cp
     if dp_group > 1:
-        end.append(Collective("grad_rs", "reduce_scatter", "dp", dp_group, float(params * E)))
+        # fp32 gradients (see _optimizer_step), bf16 parameters
+        end.append(Collective("grad_rs", "reduce_scatter", "dp", dp_group, float(params * 4)))
     end.append(_optimizer_step(params, dp_group))
     if dp_group > 1:
         end.append(Collective("param_ag", "all_gather", "dp", dp_group, float(params * E)))
