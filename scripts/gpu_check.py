@@ -278,7 +278,7 @@ def measure_all(planned: TableBackend, real: NvmlBackend, device: GPUDevice
         clocks.append(device.current_sm_clock_mhz())
         m = measured.put(r, measure_one(real, device, r))
         e = planned.values[key]
-        rows.append({"category": r.category, "label": r.label,
+        rows.append({"category": r.category, "label": r.label, "key": r.key,
                      "kind": "ops" if r.partition is None else "partition",
                      "sms": r.sms, "slot": r.slot, "clock_mhz": clocks[-1],
                      "measured": m.to_dict(), "emulated": e.to_dict(),

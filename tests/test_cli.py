@@ -66,7 +66,7 @@ def test_config_file_and_flags(cli, tmp_path):
         ["--preset", "kareus-2", "--seq", "4097"],
         ["--preset", "kareus-1", "--layers-per-stage", "15,12"],
         ["--preset", "kareus-1", "--layers-per-stage", "15,x"],
-        ["--preset", "kareus-1", "--mbs", "7"],
+        ["--preset", "kareus-1", "--mbs", "0"],
         ["--preset", "kareus-1", "--dp", "3"],
         ["--preset", "nope"],
         ["--model", "gpt-17"],
@@ -166,6 +166,25 @@ def test_simulate_megatron(cli):
     assert text.code == 0 and "per GPU" in text.out
 
 
+def test_simulate_megatron_at_its_own_micro_batch_size(cli):
+    """Issue 23: MBS 1, one pipeline stage; the Nanobatching baseline refuses it in one
+    line naming what it needs and what runs the job."""
+    job = ["--model", "llama3.1-8b", "--gpu", "H100-SXM", "--nodes", "1", "--gpus-per-node",
+           "8", "--tp", "1", "--pp", "1", "--cp", "2", "--dp", "4", "--mbs", "1", "--seq",
+           "8192", "--microbatches", "32", "--no-recompute"]
+    r = cli("simulate", *job, "--method", "megatron", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["job"]["micro_batch_size"] == 1 and len(doc["stages"]) == 1
+    assert 0 < doc["time_s"] < float("inf") and doc["energy_j"] > 0
+    nano = cli("simulate", *job, "--method", "nanobatch")
+    assert nano.code == 2 and len(nano.err.strip().splitlines()) == 1
+    assert "even micro-batch size >= 2 (this job has 1)" in nano.err
+    assert "runs with megatron, perseus" in nano.err
+    parts = cli("partitions", *job)
+    assert parts.code == 0 and "this job has no partitions" in parts.out
+
+
 def test_calibrate_lists_anchors(cli):
     r = cli("calibrate", "--json")
     assert r.code == 0, r.err
@@ -189,6 +208,9 @@ def test_calibrate_lists_anchors(cli):
         ["simulate", "-p", "kareus-1", "--freq", "5"],
         ["sweep", "-p", "kareus-1", "--partition", "fwd_attn", "--noise", "-1"],
         ["simulate", "-p", "kareus-1", "--calibration", "/nonexistent.json"],
+        ["simulate", "-p", "kareus-1", "--mbs", "1", "--method", "nanobatch"],
+        ["measure", "-p", "kareus-1", "--mbs", "3", "--partition", "fwd_attn", "--freq",
+         "1200", "--sms", "3"],
     ],
 )
 def test_bad_measurement_requests_exit_2(cli, args):

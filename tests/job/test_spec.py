@@ -41,8 +41,7 @@ def test_dp_is_derived_and_layers_split_evenly():
     [
         (dict(tp=5), "tp=5 must divide the 24 attention heads"),
         (dict(tp=2, cp=3, seq=4097), "cp=3 must divide the sequence length"),
-        (dict(mbs=3), "must be even"),
-        (dict(mbs=0), "must be even"),
+        (dict(mbs=0), "micro_batch_size: Input should be greater than or equal to 1"),
         (dict(layers_per_stage=(15, 12)), "sums to 27"),
         (dict(layers_per_stage=(28,)), "has 1 entries but pp=2"),
         (dict(dp=2), "must equal the 16 GPUs"),
@@ -141,3 +140,17 @@ def test_job_files_report_every_unknown_key_and_yaml_positions(tmp_path):
     broken.write_text("preset: kareus-1\ntp: [4\n")
     with pytest.raises(SpecError, match=r"line 3, column 1: expected ','"):
         build_job(config=str(broken))
+
+
+@pytest.mark.parametrize("mbs, splits", [(1, False), (2, True), (3, False), (8, True)])
+def test_any_positive_micro_batch_size_is_a_job(mbs, splits):
+    """Issue 23: Megatron-LM and Perseus run at the job's own micro-batch size; only the
+    methods that split a microbatch into two nanobatches need an even one."""
+    job = build_job("kareus-1", overrides={"micro_batch_size": mbs})
+    assert job.micro_batch_size == mbs and job.splits_into_nanobatches is splits
+    assert f"this job has {mbs}" in job.nanobatch_requirement
+    if splits:
+        assert job.nanobatch_size == mbs // 2
+    else:
+        with pytest.raises(SpecError, match=r"no nanobatches.*even micro-batch size >= 2"):
+            _ = job.nanobatch_size

@@ -61,3 +61,34 @@ def test_a_registered_toy_method_reaches_result_report_and_figure(tmp_path):
     assert r.frontier_points()["toy"] == r.frontier_points()["perseus"]
     assert "Toy method" in (tmp_path / "report.md").read_text()
     assert "Toy method" in Image.open(tmp_path / "frontier.png").text["Description"]
+
+
+def test_which_methods_split_a_microbatch():
+    splits = {m.name: m.splits_microbatch for m in all_methods()}
+    assert splits == {"megatron": False, "nanobatch": True, "perseus": False,
+                      "nanobatch_perseus": True, "kareus": True, "kareus_no_freq": True}
+    assert TOY.splits_microbatch is False
+
+
+@pytest.mark.parametrize("mbs", [1, 3])
+def test_a_microbatch_that_is_not_split_leaves_out_the_methods_that_split_it(mbs):
+    from kareus.plans.methods import left_out_line, left_out_reasons, runnable_methods
+
+    job = build_job("kareus-1", overrides={"micro_batch_size": mbs})
+    runs, out = runnable_methods(all_methods(), job)
+    assert [m.name for m in runs] == ["megatron", "perseus"]
+    assert [m.name for m in out] == ["nanobatch", "nanobatch_perseus", "kareus",
+                                     "kareus_no_freq"]
+    assert left_out_line(out, job) == (
+        "left out nanobatch, nanobatch_perseus, kareus, kareus_no_freq: they split each "
+        "microbatch into two nanobatches and need an even micro-batch size >= 2 (this job "
+        f"has {mbs})")
+    assert left_out_line(out[:1], job).startswith("left out nanobatch: it splits each")
+    assert left_out_line((), job) == ""
+    assert set(left_out_reasons(out, job)) == {m.name for m in out}
+    assert get_method("megatron").baseline_plan(job).overlap is False
+    with pytest.raises(SpecError, match=rf"nanobatch splits each microbatch .* \(this job has "
+                                        rf"{mbs}\); this job runs with megatron, perseus"):
+        get_method("nanobatch").baseline_plan(job)
+    even = build_job("kareus-1")
+    assert runnable_methods(all_methods(), even) == (all_methods(), ())

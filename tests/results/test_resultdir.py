@@ -150,7 +150,7 @@ def test_plan_timelines_pictures_and_headline(first, tmp_path):
     assert report[2].startswith("Against Perseus, Kareus uses ")
     assert "Iso-time energy" in rd.report.read_text()
     plan = result.plans["kareus"][0]
-    instr = [e for e in plan.timeline if e.kind != "send"]
+    instr = [e for e in plan.timeline if e.kind in ("forward", "backward")]
     assert len(instr) == 2 * JOB.pp * JOB.num_microbatches
     assert max(e.start_s + e.time_s for e in plan.timeline) == pytest.approx(plan.time_s)
     last = max(instr, key=lambda e: e.start_s + e.time_s)

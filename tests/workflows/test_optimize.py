@@ -119,3 +119,56 @@ def test_plan_export_cli(result, tmp_path):
     assert json.loads(j.read_text())["id"] == plan_id
     bad = run_cli("plan", "export", "--result", str(out), "--plan", "../x", "--out", str(j))
     assert bad.code == 2
+
+
+UNSPLIT = ("optimize", "-p", "kareus-1", "--mbs", "1", "--microbatches", "4", "--freqs",
+           "1410,1200", "--budget", "20", "--workers", "1")
+LEFT_OUT = ("left out nanobatch, nanobatch_perseus, kareus, kareus_no_freq: they split each "
+            "microbatch into two nanobatches and need an even micro-batch size >= 2 (this "
+            "job has 1)")
+
+
+def test_optimize_at_mbs_1_runs_megatron_and_perseus_and_says_what_it_left_out(tmp_path):
+    """Issue 23: Megatron-LM and Perseus at the job's own micro-batch size; one line names
+    the methods that split a microbatch, and the result says n/a where they are missing."""
+    out = tmp_path / "r"
+    r = run_cli(*UNSPLIT, "--out", str(out))
+    assert r.code == 0, r.err
+    assert [line for line in r.out.splitlines() if "left out" in line] == [LEFT_OUT]
+    doc = json.loads((out / "result.json").read_text())
+    assert set(doc["methods"]) == {"megatron", "perseus"} and doc["searches"] == []
+    assert set(doc["left_out"]) == {"nanobatch", "nanobatch_perseus", "kareus",
+                                    "kareus_no_freq"}
+    assert len(doc["methods"]["megatron"]["frontier"]) == 1
+    assert len(doc["methods"]["perseus"]["frontier"]) > 1
+    assert doc["validation_max_rel_error"] < 0.03
+    perseus = doc["metrics"]["perseus"]
+    assert perseus["max_throughput_energy_reduction_vs_megatron"] >= 0
+    assert "iso_time_energy_reduction" not in perseus  # Perseus is the iso reference
+    for m in doc["methods"].values():
+        for point in m["frontier"]:
+            assert (out / "plans" / f"{point['plan']}.json").exists()
+    report = (out / "report.md").read_text()
+    assert "Kareus was left out: splitting each microbatch" in report
+    assert "No partition was searched" in report and "least-energy Perseus plan" in report
+    assert (out / "timeline-min-energy.png").exists() and (out / "frontier.png").exists()
+    plan = run_cli("plan", "--result", str(out), "--max-throughput")
+    assert plan.code == 2 and "kareus was left out: splitting" in plan.err
+    assert run_cli("plan", "--result", str(out), "--min-energy", "--method",
+                   "perseus").code == 0
+    # --json: stdout is the result alone, the line goes to stderr
+    again = run_cli(*UNSPLIT, "--out", str(out), "--json")
+    assert again.code == 0 and again.json()["left_out"] == doc["left_out"]
+    assert LEFT_OUT in again.err
+
+
+def test_optimize_refuses_when_no_method_asked_for_can_run(tmp_path):
+    from kareus.errors import SpecError
+    from kareus.workflows.optimize import prepare_optimize
+
+    job = build_job("kareus-1", overrides={"micro_batch_size": 3})
+    with pytest.raises(SpecError, match=r"no method to run: left out kareus: it splits each "
+                                        r"microbatch .* \(this job has 3\)"):
+        prepare_optimize(job, str(tmp_path / "r"), SearchConfig(budget=20),
+                         methods=("kareus",))
+    assert not (tmp_path / "r").exists()

@@ -35,6 +35,9 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     if json_out:
         print_json(ps.to_dict())
         return
+    if not ps.partitions:
+        console.print(ps.none_reason, soft_wrap=True, markup=False, highlight=False)
+        return
     nfreq = len(job.freqs_mhz)
     table = make_table(f"Partitions of {job.describe()}",
                        ("key", "direction", "collective", "MiB", "slots", "SMs", "per stage",
@@ -58,6 +61,12 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     console.print(f"{nfreq} search frequencies: {job.freqs_mhz[0]}..{job.freqs_mhz[-1]} MHz")
 
 
+def _layer_unit(job: JobSpec) -> str:
+    """What the graph's layer op lists are for (kareus.workload.layer.layer_sequences)."""
+    return ("one nanobatch" if job.splits_into_nanobatches
+            else "the whole microbatch (not split into nanobatches)")
+
+
 def graph_dict(g: ExecutionGraph) -> dict[str, Any]:
     job = g.job
     stages = []
@@ -78,7 +87,7 @@ def graph_dict(g: ExecutionGraph) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "job": job.model_dump(mode="json"),
         "conventions": {
-            "layer_ops": "one nanobatch on one TP/CP rank",
+            "layer_ops": _layer_unit(job) + " on one TP/CP rank",
             "outside_ops": "one microbatch on one rank",
             "iteration_end": "once per iteration",
             "flops": "2 per multiply-add; causal attention = half of full",
@@ -105,7 +114,7 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
         print_json(graph_dict(g))
         return
     for title, ops in (("forward", g.layer_forward), ("backward", g.layer_backward)):
-        table = make_table(f"One layer, {title}, one nanobatch, one rank",
+        table = make_table(f"One layer, {title}, {_layer_unit(job)}, one rank",
                            ("op", "kind", "GFLOP", "MiB", "shape / group"),
                            left=("op", "kind", "shape / group"))
         for op in ops:

@@ -33,7 +33,8 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("sp", Annotated[Optional[bool], _opt(
         "--sp/--no-sp", help="Sequence parallelism.", metavar="")], "sequence_parallel"),
     ("mbs", Annotated[Optional[int], _opt(
-        "--mbs", help="Microbatch size (even: two nanobatches).")], "micro_batch_size"),
+        "--mbs", help="Microbatch size (an even size splits into two nanobatches; any size "
+                 "runs Megatron-LM and Perseus).")], "micro_batch_size"),
     ("seq", Annotated[Optional[int], _opt("--seq", help="Sequence length.")], "seq_length"),
     ("microbatches", Annotated[Optional[int], _opt(
         "--microbatches", help="Microbatches per iteration.")], "num_microbatches"),

@@ -116,13 +116,14 @@ def simulate(
     job: JobSpec,
     backend: BackendSpec,
     method: Annotated[str, typer.Option(
-        "--method", help="A method with a fixed plan: megatron or nanobatch.")] = "megatron",
+        "--method", help="A method with a fixed plan: megatron or nanobatch (which needs an "
+        "even micro-batch size).")] = "megatron",
     freq: Annotated[Optional[int], typer.Option(
         "--freq", help="One SM clock for every instruction (default: max clock).")] = None,
     breakdown: Annotated[bool, typer.Option(
         "--breakdown", help="Time and energy per kernel class (GEMM, attention, memory-bound, "
-        "launch gaps, exposed collectives, transfers, data-parallel sync, pipeline "
-        "waits).")] = False,
+        "launch gaps, exposed collectives, transfers, data-parallel sync and optimizer step, "
+        "pipeline waits).", metavar="")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Simulate one training iteration of a method on the emulator."""
@@ -158,7 +159,8 @@ def simulate(
 BREAKDOWN_LABELS = {
     "gemm": "GEMM", "attention": "attention", "memory": "memory-bound kernels",
     "launch_gap": "launch gaps", "collective_exposed": "collectives, exposed",
-    "transfers": "pipeline transfers (sending)", "dp_sync": "data-parallel sync",
+    "transfers": "pipeline transfers (sending)",
+    "iteration_end": "data-parallel sync, optimizer step",
     "pipeline_wait": "pipeline bubbles and waits"}
 
 

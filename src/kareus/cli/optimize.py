@@ -51,6 +51,9 @@ def optimize(
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
     run = prepare_optimize(Workload.build(job), out, config, backend, executor, force=force,
                            fill_missing=fill_missing)
+    if run.left_out_line and not run.measures_only:
+        (stderr_console() if json_out else console).print(
+            run.left_out_line, soft_wrap=True, markup=False, highlight=False)
     if json_out or run.measures_only:
         result = run.run()
         if result is not None:

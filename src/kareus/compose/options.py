@@ -97,6 +97,7 @@ class Composer:
                         ) -> dict[tuple[int, str], list[Recipe]]:
         if method.name in self._recipes:
             return self._recipes[method.name]
+        method.check_runs_on(self.ps.job)
         if method.needs_search and fronts is None:
             raise SpecError(f"{method.name} needs the partitions' search results")
         freqs = (self.f_max,) if method.clocks == "max" else self.freqs

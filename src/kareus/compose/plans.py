@@ -30,9 +30,12 @@ def to_execution_plan(name: str, picks: Mapping[InstructionId, InstructionOption
                          sequential=frozenset(sequential) if overlap else frozenset())
 
 
-def timeline(point: PipelinePoint, costs: PipelineCosts) -> list[TimelineEntry]:
+def timeline(point: PipelinePoint, costs: PipelineCosts, f_max: int
+             ) -> list[TimelineEntry]:
     """The point's 1F1B schedule as bars: every instruction with its clock and whether it
-    is critical (no float), and every transfer after the instruction that sends it."""
+    is critical (no float), every transfer after the instruction that sends it, and each
+    stage's end-of-iteration work (data-parallel sync, optimizer step: kind "end",
+    microbatch -1, at ``f_max``, critical on the stage that ends last)."""
 
     def duration(iid: InstructionId) -> float:
         return point.picks[iid].time_s
@@ -43,10 +46,15 @@ def timeline(point: PipelinePoint, costs: PipelineCosts) -> list[TimelineEntry]:
     tol = 1e-9 * t.iteration_s
     out = []
     for (s, m, d), start in sorted(t.start.items(), key=lambda x: (x[0][0], x[1])):
-        crit = late[(s, m, d)] - t.finish[(s, m, d)] <= tol
+        crit = bool(late[(s, m, d)] - t.finish[(s, m, d)] <= tol)  # not a numpy bool
         f = point.picks[(s, m, d)].freq_mhz
         out.append(TimelineEntry(s, m, d, start, duration((s, m, d)), f, crit))
         send = sends_after(s, d, costs.pp, acts, grads)
         if send > 0:
             out.append(TimelineEntry(s, m, "send", t.finish[(s, m, d)], send, f, crit))
+    for s, end_s in enumerate(costs.end_s):
+        if end_s > 0:
+            done = t.stage_end[s] - end_s
+            out.append(TimelineEntry(s, -1, "end", done, end_s, f_max,
+                                     bool(t.stage_end[s] >= t.iteration_s - tol)))
     return out

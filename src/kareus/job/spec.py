@@ -67,7 +67,9 @@ class JobSpec(BaseModel):
     pp: int = Field(1, ge=1, description="pipeline-parallel size")
     dp: int | None = Field(None, ge=1, description="data-parallel size; derived when omitted")
     sequence_parallel: bool = False
-    micro_batch_size: int = 2  # checked below: even and >= 2
+    micro_batch_size: int = Field(
+        2, ge=1, description="sequences per microbatch; an even size is split into two "
+        "nanobatches by the methods that overlap (`splits_into_nanobatches`)")
     seq_length: int = Field(4096, ge=1)
     num_microbatches: int = Field(8, ge=1)
     layers_per_stage: tuple[int, ...] | None = None
@@ -108,11 +110,6 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"with sequence parallelism tp={self.tp} must divide the per-rank sequence "
                 f"length {self.seq_length // self.cp}"
-            )
-        if self.micro_batch_size < 2 or self.micro_batch_size % 2 != 0:
-            raise ValueError(
-                f"micro_batch_size={self.micro_batch_size} must be even and >= 2 (each "
-                f"microbatch is split into two nanobatches)"
             )
         self._check_placement()
         self._check_stages()
@@ -190,7 +187,23 @@ class JobSpec(BaseModel):
         return self.gpus_per_node * self.nodes
 
     @property
+    def splits_into_nanobatches(self) -> bool:
+        """Each microbatch can be split into two equal nanobatches (an even micro-batch
+        size): what Kareus's partitions and the Nanobatching methods need. Megatron-LM and
+        Perseus run the whole microbatch, of any size."""
+        return self.micro_batch_size % 2 == 0
+
+    @property
+    def nanobatch_requirement(self) -> str:
+        """Why a job that does not split has no nanobatches, for messages."""
+        return f"an even micro-batch size >= 2 (this job has {self.micro_batch_size})"
+
+    @property
     def nanobatch_size(self) -> int:
+        """Sequences per nanobatch; SpecError for a job whose microbatch is not split."""
+        if not self.splits_into_nanobatches:
+            raise SpecError(f"this job has no nanobatches: splitting a microbatch in two "
+                            f"needs {self.nanobatch_requirement}")
         return self.micro_batch_size // 2
 
     @property

@@ -13,7 +13,7 @@ default-overlap and sequential executions of each instruction as options.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -55,11 +55,29 @@ class Method:
     def needs_search(self) -> bool:
         return "searched" in self.options
 
+    @property
+    def splits_microbatch(self) -> bool:
+        """Some of its options split each microbatch into two nanobatches (the default
+        overlap, the searched partitions): it needs a job with an even micro-batch size
+        (`JobSpec.splits_into_nanobatches`). Megatron-LM and Perseus run any size."""
+        return any(source != "sequential" for source in self.options)
+
+    def runs_on(self, job: JobSpec) -> bool:
+        """The method can run ``job`` (`left_out_line` says why one cannot)."""
+        return job.splits_into_nanobatches or not self.splits_microbatch
+
+    def check_runs_on(self, job: JobSpec) -> None:
+        """SpecError, in one line, when the method cannot run ``job``."""
+        if not self.runs_on(job):
+            raise SpecError(f"{self.name} {_SPLITS} {job.nanobatch_requirement}; "
+                            f"{_runnable_text(job)}")
+
     def baseline_plan(self, job: JobSpec, freq_mhz: int | None = None) -> ExecutionPlan:
         """The fixed plan of a method that has one, at max clock unless ``freq_mhz``."""
         if not self.fixed_plan:
             raise SpecError(f"{self.name} has no fixed plan; fixed: "
                             f"{', '.join(m.name for m in all_methods() if m.fixed_plan)}")
+        self.check_runs_on(job)
         gpu = job.gpu_spec
         f = gpu.check_freq(freq_mhz) if freq_mhz is not None else gpu.max_freq_mhz
         return ExecutionPlan(self.name, overlap=self.overlap, default_freq_mhz=f,
@@ -146,6 +164,37 @@ register(Method("kareus", "Kareus", clocks="search",
 register(Method("kareus_no_freq", "Kareus, max clock only", clocks="max",
                 options=("searched", "default_overlap", "sequential"), overlap=True,
                 color="#ff7f0e", marker="^"))
+
+
+_SPLITS = "splits each microbatch into two nanobatches and needs"
+_SPLIT = "split each microbatch into two nanobatches and need"
+
+
+def _runnable_text(job: JobSpec) -> str:
+    names = [m.name for m in all_methods() if m.runs_on(job)]
+    return f"this job runs with {', '.join(names)}" if names else "no method runs this job"
+
+
+def runnable_methods(methods: Sequence[Method], job: JobSpec
+                     ) -> tuple[tuple[Method, ...], tuple[Method, ...]]:
+    """``methods`` split into those that can run ``job`` and those left out."""
+    return (tuple(m for m in methods if m.runs_on(job)),
+            tuple(m for m in methods if not m.runs_on(job)))
+
+
+def left_out_line(left_out: Sequence[Method], job: JobSpec) -> str:
+    """One line naming the methods left out for ``job`` and why ("" when none is)."""
+    if not left_out:
+        return ""
+    why = f"they {_SPLIT}" if len(left_out) > 1 else f"it {_SPLITS}"
+    return (f"left out {', '.join(m.name for m in left_out)}: {why} "
+            f"{job.nanobatch_requirement}")
+
+
+def left_out_reasons(left_out: Sequence[Method], job: JobSpec) -> dict[str, str]:
+    """Per method left out for ``job``: why (result.json's ``left_out``)."""
+    return {m.name: f"splitting each microbatch into two nanobatches needs "
+                    f"{job.nanobatch_requirement}" for m in left_out}
 
 
 def baseline_plan(method: str, job: JobSpec, freq_mhz: int | None = None) -> ExecutionPlan:

@@ -31,7 +31,8 @@ _LIMITED = {"deadline": ("time_s", DEADLINE_TOLERANCE_S),
 @dataclass(frozen=True)
 class TimelineEntry:
     """One bar of a plan's pipeline timeline: an instruction (``kind`` "forward" or
-    "backward") or the transfer after it ("send"), on one stage."""
+    "backward"), the transfer after it ("send"), or the stage's end-of-iteration work
+    ("end": data-parallel sync and optimizer step, microbatch -1), on one stage."""
 
     stage: int
     microbatch: int

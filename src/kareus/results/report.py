@@ -9,7 +9,7 @@ from typing import Any
 
 from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, all_methods, display_name
 from kareus.plans.plan import Plan
-from kareus.results.result import OptimizeResult
+from kareus.results.result import OptimizeResult, highlighted_method
 
 
 def frontier_figure(frontiers: dict[str, list[tuple[float, float]]], path: Path,
@@ -70,22 +70,19 @@ def metrics_table(metrics: dict[str, dict[str, float | None]]) -> list[str]:
 def markdown_report(result: OptimizeResult, out: Path) -> str:
     job = result.job
     lines = [f"# Kareus plans for {job.describe()}", "", headline(result), "",
+             *_left_out_lines(result.left_out),
              *_sources_lines(result.sources), "## What was searched", "",
-             "| partition | samples | measured this run | reused | frontier | stopped | "
-             "est. GPU profiling (GPU-h) |", "|---|---|---|---|---|---|---|"]
-    for s in result.searches:
-        lines.append(f"| {s.partition} | {len(s.samples)} | {s.measured_this_run} | "
-                     f"{s.reused_from_journal} | {len(s.frontier)} | {s.stopped} | "
-                     f"{s.profiling_cost_s / 3600:.2f} |")
-    lines += ["", PROFILING_NOTE, "", "## Frontiers", "", "![frontiers](frontier.png)", "",
+             *_searches_lines(result)]
+    lines += ["## Frontiers", "", "![frontiers](frontier.png)", "",
               "| method | plans | fastest (s, kJ) | least energy (s, kJ) |", "|---|---|---|---|"]
     for method, plans in result.plans.items():
         fast = min(plans, key=lambda p: p.time_s)
         low = min(plans, key=lambda p: p.energy_j)
         lines.append(f"| {display_name(method)} | {len(plans)} | {fast.time_s:.3f}, "
                      f"{fast.energy_j / 1e3:.2f} | {low.time_s:.3f}, {low.energy_j / 1e3:.2f} |")
-    lines += ["", "![fastest Kareus plan](timeline-max-throughput.png)",
-              "![least-energy Kareus plan](timeline-min-energy.png)", "",
+    shown = display_name(highlighted_method(result))
+    lines += ["", f"![fastest {shown} plan](timeline-max-throughput.png)",
+              f"![least-energy {shown} plan](timeline-min-energy.png)", "",
               "## Metrics (as the Kareus paper defines them)", "", *metrics_table(
                   result.metrics), "", *_METRICS_IN_WORDS, "",
               _validation_line(result.validation_max_error), "",
@@ -105,11 +102,32 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _searches_lines(result: OptimizeResult) -> list[str]:
+    if not result.searches:
+        return ["No partition was searched: no method that ran uses the partitions.", ""]
+    lines = ["| partition | samples | measured this run | reused | frontier | stopped | "
+             "est. GPU profiling (GPU-h) |", "|---|---|---|---|---|---|---|"]
+    for s in result.searches:
+        lines.append(f"| {s.partition} | {len(s.samples)} | {s.measured_this_run} | "
+                     f"{s.reused_from_journal} | {len(s.frontier)} | {s.stopped} | "
+                     f"{s.profiling_cost_s / 3600:.2f} |")
+    return [*lines, "", PROFILING_NOTE, ""]
+
+
 PROFILING_NOTE = (
     "*est. GPU profiling*: what measuring this run's new settings costs on a real GPU "
     "under the measurement protocol (its window and cooldown per setting, plus its settle "
     "time after each clock change): an estimate from the settings measured, not the time "
     "this run took (an emulator run uses no GPU).")
+
+
+def _left_out_lines(left_out: dict[str, str]) -> list[str]:
+    """The methods that could not run the job, one line per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for m, why in left_out.items():
+        by_reason.setdefault(why, []).append(f"`{m}`")
+    return [*(f"Left out {', '.join(ms)}: {why}." for why, ms in by_reason.items()),
+            ""] if left_out else []
 
 
 def _sources_lines(sources: dict[str, Any] | None) -> list[str]:
@@ -170,7 +188,8 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
 
     entries = plan.timeline
     stages = 1 + max((e.stage for e in entries), default=0)
-    clocks = [*clocks_mhz, *(e.freq_mhz for e in entries if e.kind != "send")] or [0]
+    clocks = [*clocks_mhz, *(e.freq_mhz for e in entries if e.kind not in ("send", "end"))
+              ] or [0]
     lo, hi = min(clocks), max(clocks)
     norm = Normalize(lo, hi) if lo < hi else Normalize(lo - 1, hi + 1)
     cmap = colormaps["viridis"]
@@ -178,9 +197,9 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
     end = max((e.start_s + e.time_s for e in entries), default=1.0)
     for e in entries:
         y = stages - 1 - e.stage
-        if e.kind == "send":
-            ax.barh(y, e.time_s, left=e.start_s, height=0.35, color="#bbbbbb",
-                    edgecolor="none")
+        if e.kind in ("send", "end"):
+            ax.barh(y, e.time_s, left=e.start_s, height=0.35,
+                    color="#bbbbbb" if e.kind == "send" else "#7a5195", edgecolor="none")
             continue
         ax.barh(y, e.time_s, left=e.start_s, height=0.7, color=cmap(norm(e.freq_mhz)),
                 edgecolor="black" if e.critical else "white",
@@ -198,7 +217,8 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
                        aspect=8 + 4 * stages)
     bar.set_label("SM clock (MHz)")
     # on the x label's line, left: no row of its own
-    ax.annotate("outlined: critical path; grey: stage-to-stage transfers", xy=(0, 0.5),
+    ax.annotate("outlined: critical path; grey: stage-to-stage transfers; purple: "
+                "data-parallel sync and optimizer step", xy=(0, 0.5),
                 xycoords=("axes fraction", ax.xaxis.label), va="center", fontsize=7,
                 color="#555555")
     meta = {"Description": f"SM clock scale: {norm.vmin:g}..{norm.vmax:g} MHz"}
@@ -225,7 +245,9 @@ def headline(result: OptimizeResult) -> str:
     """One sentence: Kareus's savings against Perseus and Megatron-LM."""
     m = result.metrics.get("kareus")
     if not m:
-        return "Kareus was not among the methods run."
+        why = result.left_out.get("kareus")
+        return ("Kareus was not among the methods run." if why is None else
+                f"Kareus was left out: {why}.")
 
     def pct(key: str) -> str:
         v = m.get(key)

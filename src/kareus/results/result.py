@@ -38,6 +38,8 @@ class OptimizeResult:
     """Composed from a journal (`optimize --measurements`): the journal, the backend whose
     measurements were used, and every number the emulator filled in (``filled``; empty
     unless the user opted in with --fill-missing). None: searched by this run."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Methods that could not run the job, and why (`kareus.plans.methods.left_out_reasons`)."""
 
     @property
     def job_id(self) -> str:
@@ -89,6 +91,7 @@ class OptimizeResult:
                                  for p in ps]}
                 for m, ps in self.plans.items()},
             "metrics": self.metrics,
+            "left_out": self.left_out,
             "validation_max_rel_error": self.validation_max_error,
             "validation": self.validation(),
             "measurements": self.sources,
@@ -99,3 +102,11 @@ class OptimizeResult:
             "this_run": {s.partition: {k: getattr(s, k) for k in _RUN_FIELDS}
                          for s in self.searches},
         }
+
+
+def highlighted_method(result: OptimizeResult) -> str:
+    """Whose plans report.md and the timelines show: Kareus where it ran, else the method
+    with the most plans (the first of those), e.g. Perseus where Kareus was left out."""
+    if result.plans.get("kareus"):
+        return "kareus"
+    return max(result.plans, key=lambda m: len(result.plans[m]), default="kareus")

@@ -34,7 +34,7 @@ from kareus.core.lock import Lock, lock_file
 from kareus.core.owned_dir import OwnedDir
 from kareus.errors import KareusError
 from kareus.plans.plan import Plan
-from kareus.results.result import OptimizeResult
+from kareus.results.result import OptimizeResult, highlighted_method
 
 _TIMELINES = "timeline-*.png"
 JOURNAL = "journal.sqlite"
@@ -44,9 +44,9 @@ before the marker: its result.json)."""
 
 
 def highlighted_plans(result: OptimizeResult) -> dict[str, Plan]:
-    """Kareus's fastest and least-energy plans (the first method's where Kareus did not
-    run): what report.md and the timeline pictures show first."""
-    plans = result.plans.get("kareus") or next(iter(result.plans.values()), [])
+    """The fastest and least-energy plans of `highlighted_method` (Kareus, where it ran):
+    what report.md and the timeline pictures show first."""
+    plans = result.plans.get(highlighted_method(result), [])
     if not plans:
         return {}
     return {"max-throughput": min(plans, key=lambda p: (p.time_s, p.energy_j)),
@@ -177,10 +177,14 @@ class ResultDir(OwnedDir):
     def frontier(self, method: str) -> list[dict[str, Any]]:
         """The method's frontier points: dicts with time_s, energy_j, plan."""
         path = self.result_file
-        methods = self.read_result().get("methods")
+        doc = self.read_result()
+        methods = doc.get("methods")
         if not isinstance(methods, dict) or method not in methods:
             known = ", ".join(methods) if isinstance(methods, dict) else "none"
-            raise KareusError(f"{path} has no method {method!r}; methods: {known}")
+            left_out = doc.get("left_out")
+            why = (f" ({method} was left out: {left_out[method]})"
+                   if isinstance(left_out, dict) and method in left_out else "")
+            raise KareusError(f"{path} has no method {method!r}{why}; methods: {known}")
         front = methods[method].get("frontier")
         if not isinstance(front, list) or not front:
             raise KareusError(f"{path}: method {method} has an empty frontier")

@@ -11,7 +11,13 @@ from kareus import SCHEMA_VERSION
 from kareus.errors import KareusError
 from kareus.job.presets import JOB_PRESETS
 from kareus.job.sources import build_job
-from kareus.plans.methods import ISO_REFERENCE, all_methods, display_name
+from kareus.plans.methods import (
+    ISO_REFERENCE,
+    all_methods,
+    display_name,
+    get_method,
+    left_out_line,
+)
 from kareus.results.report import frontier_figure
 from kareus.results.sensitivity_report import range_note, sensitivity_markdown
 from kareus.search.loop import SearchConfig
@@ -69,6 +75,8 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
                      spec_from_options("emulator", {"noise": noise, "seed": seed}),
                      ExecutorSpec(workers=workers))
         assert r is not None  # the emulator: no rank measures only
+        if log and r.left_out:
+            log(f"{preset}: " + left_out_line([get_method(m) for m in r.left_out], job))
         frontier_figure(r.frontier_points(), out / f"{preset}.png", job.describe())
         configs.append({
             "preset": preset,
@@ -79,6 +87,7 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
                         for m in r.plans},
             "validation_max_rel_error": r.validation_max_error,
             "validation": r.validation(),
+            "left_out": r.left_out,
         })
         if preset in ranged:
             cases.append(SensitivityCase.from_searches(

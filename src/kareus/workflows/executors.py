@@ -328,6 +328,8 @@ def prepare_search(workload: Workload, keys: Sequence[str] | None, config: Searc
     starts, before any progress is shown and before anything is created; then the journal
     is locked for the run (`journal_lock`: one writer at a time)."""
     chosen = list(keys or workload.keys)
+    if not chosen:
+        raise SpecError(f"nothing to search: {workload.partitions.none_reason}")
     check_prior(prior)
     with_prior = prior not in (None, "none")
     for key in chosen:

@@ -36,7 +36,14 @@ from kareus.compose.plans import timeline, to_execution_plan
 from kareus.core.lock import Lock
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
-from kareus.plans.methods import Method, all_methods, get_method
+from kareus.plans.methods import (
+    Method,
+    all_methods,
+    get_method,
+    left_out_line,
+    left_out_reasons,
+    runnable_methods,
+)
 from kareus.plans.metrics import method_metrics
 from kareus.plans.plan import Plan
 from kareus.results.result import OptimizeResult
@@ -61,6 +68,9 @@ class OptimizeRun:
     backend: BackendSpec
     executor: ExecutorSpec
     methods: tuple[Method, ...]
+    """The methods that run (those that can run the job)."""
+    left_out: tuple[Method, ...] = ()
+    """Methods asked for that cannot run the job (`Method.runs_on`): `left_out_line`."""
     fill: BackendSpec | None = None
     composer: Composer | None = None
     """Composing from a journal alone: the composer that listed the journal's lacks while
@@ -70,6 +80,11 @@ class OptimizeRun:
     lock: Lock | None = None
     """The result directory's lock, taken by `prepare_optimize` once every input was
     checked, released when `run` ends (None on a rank that only measures)."""
+
+    @property
+    def left_out_line(self) -> str:
+        """One line naming the methods left out and why ("" when none is)."""
+        return left_out_line(self.left_out, self.workload.job)
 
     @property
     def measures_only(self) -> bool:
@@ -120,7 +135,8 @@ class OptimizeRun:
         metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v]
                                   for m, v in plans.items()})
         result = OptimizeResult(self.workload.job, plans, searches, metrics, worst,
-                                self.timings, sources=sources)
+                                self.timings, sources=sources,
+                                left_out=left_out_reasons(self.left_out, self.workload.job))
         result.run_id = result.content_id()
         rd.write(result)
         return result
@@ -200,15 +216,21 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
     the journal). ``measurements``: compose from that journal alone (no search, no
     emulator number); ``fill_missing``: a backend with a cost model fills what it lacks
     (the result says which numbers). ``job``: the workload, or a job to build it from.
-    The last step locks the result directory for the run (`ResultDir.lock`: another run
-    holding it is refused); `OptimizeRun.run` releases it."""
+    Methods that cannot run the job (one whose microbatch is not split into nanobatches)
+    are left out (`OptimizeRun.left_out`); none left is an error. The last step locks
+    the result directory for the run (`ResultDir.lock`: another run holding it is
+    refused); `OptimizeRun.run` releases it."""
     workload = job if isinstance(job, Workload) else Workload.build(job)
     spec = backend or default_spec()
     ex = executor or ExecutorSpec()
-    chosen = all_methods() if methods is None else tuple(get_method(m) for m in methods)
+    chosen, left_out = runnable_methods(
+        all_methods() if methods is None else tuple(get_method(m) for m in methods),
+        workload.job)
+    if not chosen:
+        raise SpecError(f"no method to run: {left_out_line(left_out, workload.job)}")
     if measurements is not None:
         spec = replay_spec(measurements, compose_only=True)
-    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, force=force)
+    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, left_out, force=force)
     if run.measures_only:
         check_profile(workload, spec, config)
         return run
@@ -277,5 +299,5 @@ def _plans(methods: Sequence[Method], solved: Solved, f_max: int,
                 worst = max(worst, abs(sim_t / pt.time_s - 1), abs(sim_e / pt.energy_j - 1))
             plans[method.name].append(Plan(execution.name, method.name, pt.time_s,
                                            pt.energy_j, execution, sim_t, sim_e,
-                                           timeline(pt, costs)))
+                                           timeline(pt, costs, f_max)))
     return plans, worst

@@ -105,7 +105,7 @@ def perseus_plans(profile: PerseusProfile, costs: PipelineCosts) -> list[Plan]:
     for i, pt in enumerate(sorted(points, key=lambda x: x.time_s)):
         ex = to_execution_plan(f"{METHOD}-{i:03d}", pt.picks, profile.freqs_mhz[0], False)
         plans.append(Plan(ex.name, METHOD, pt.time_s, pt.energy_j, ex,
-                          timeline=timeline(pt, costs)))
+                          timeline=timeline(pt, costs, profile.freqs_mhz[0])))
     return plans
 
 

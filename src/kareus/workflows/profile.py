@@ -33,7 +33,7 @@ from kareus.backends.registry import BackendSpec
 from kareus.compose.options import Composer, KeyFrontiers, key_frontiers
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
-from kareus.plans.methods import all_methods
+from kareus.plans.methods import Method, all_methods, runnable_methods
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.store import Journal
 from kareus.workload.workload import Workload
@@ -133,7 +133,7 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
     time from the highest, journaling each number; ``report(done, total)`` after each.
     Returns (lacking, measured)."""
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
-    needs = composer.needs(all_methods(), journal_frontiers(workload, backend))
+    needs = composer.needs(_runnable(workload), journal_frontiers(workload, backend))
     todo = sorted(backend.lacks(needs), key=lambda n: -n.knobs.freq_mhz)
     before = backend.measured
     if report is not None:
@@ -149,4 +149,11 @@ def composition_needs(workload: Workload, backend: JournaledBackend) -> list[Nee
     """What composing every method from the journal's partition measurements asks for and
     the journal lacks (nothing is measured)."""
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
-    return backend.lacks(composer.needs(all_methods(), journal_frontiers(workload, backend)))
+    return backend.lacks(composer.needs(_runnable(workload),
+                                        journal_frontiers(workload, backend)))
+
+
+def _runnable(workload: Workload) -> tuple[Method, ...]:
+    """The methods composing can use on this job: with a microbatch not split into
+    nanobatches, Megatron-LM's and Perseus's (no partition, no default overlap)."""
+    return runnable_methods(all_methods(), workload.job)[0]

@@ -84,6 +84,9 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     if executor is not None:
         executor.check()
     chosen = check_profile(workload, backend, config, keys, here=not distributed)
+    if not chosen and not composition:
+        raise SpecError(f"nothing to profile with --partitions-only: "
+                        f"{workload.partitions.none_reason}")
     run = ProfileRun(workload, journal, backend, config, chosen, composition, executor,
                      retries)
     if not run.quiet:  # last: a refusal creates nothing

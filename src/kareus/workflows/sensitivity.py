@@ -87,8 +87,9 @@ CONSTANTS: tuple[Constant, ...] = (
              "shape is taken at one clock"),
     Constant("activity_attention", 1.0, 1.6, False,
              "solved from one public A100 run holding 'about 1200 MHz' under "
-             "FlashAttention-2 (anchors §8); 1.0 (draws as a GEMM of the same tensor work) "
-             "to 1.6 (held near 1100 MHz)"),
+             "FlashAttention-2 (anchors §8); 1.0 (draws as a GEMM of the same tensor work, "
+             "held near 1335 MHz) "
+             "to 1.6 (held near 1050 MHz)"),
 )
 
 

@@ -116,9 +116,12 @@ class ExecutionGraph:
 
     @cached_property
     def layer_flops(self) -> dict[str, float]:
-        """FLOPs of one layer for one microbatch (both nanobatches) on one rank."""
-        fwd = 2 * _sum_flops(self.layer_forward)
-        bwd = 2 * _sum_flops(self.layer_backward)
+        """FLOPs of one layer for one microbatch on one rank: the layer op lists are one
+        nanobatch's, two per microbatch, or the whole microbatch's where it is not split
+        (an odd micro-batch size)."""
+        units = 2 if self.job.splits_into_nanobatches else 1
+        fwd = units * _sum_flops(self.layer_forward)
+        bwd = units * _sum_flops(self.layer_backward)
         recompute = fwd if self.job.recompute else 0.0
         return {"forward": fwd, "recompute": recompute, "backward": bwd,
                 "total": fwd + recompute + bwd}
@@ -140,6 +143,24 @@ class ExecutionGraph:
         """All GPUs of the job: each stage's per-GPU FLOPs times the GPUs of that stage."""
         gpus_per_stage = self.job.num_gpus // self.job.pp
         return float(sum(self.per_gpu_iteration_flops) * gpus_per_stage)
+
+
+def model_flops_per_token(job: JobSpec) -> float:
+    """NVIDIA's MFU numerator (NVIDIA/dgxc-benchmarking, docs/anchors.md §8):
+    12 L h^2 (1 + G/H + s/h) + 18 L F h + 6 V h; causal attention not halved, recompute
+    not counted, whatever the parallelism."""
+    m = job.model
+    L, h, s = m.num_layers, m.hidden_size, job.seq_length  # the formula's names
+    return (12 * L * h * h * (1 + m.num_kv_heads / m.num_attention_heads + s / h)
+            + 18 * L * m.ffn_hidden_size * h + 6 * m.vocab_size * h)
+
+
+def mfu(job: JobSpec, iteration_s: float) -> float:
+    """Model FLOPs utilisation of one iteration taking ``iteration_s``: the model FLOPs of
+    its tokens over the job's GPUs at their dense bf16 peak."""
+    tokens = job.num_microbatches * job.micro_batch_size * job.seq_length * (job.dp or 1)
+    peak = job.gpu_spec.peak_bf16_flops * job.num_gpus
+    return model_flops_per_token(job) * tokens / (iteration_s * peak)
 
 
 def _at(seg: Segment, layer: int) -> Segment:

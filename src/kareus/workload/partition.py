@@ -1,6 +1,7 @@
 """Partitions, their keys and launch slots, exactly as Kareus defines them.
 
-Each microbatch is split into two nanobatches. A pipeline instruction's op list is cut at
+Each microbatch is split into two nanobatches (an odd micro-batch size is not: such a job
+has no partitions, `sequential_only`). A pipeline instruction's op list is cut at
 every collective into segments; the compute stream runs nanobatch 0's segment i, then
 nanobatch 1's segment i, then nanobatch 0's segment i+1, ... A partition is the compute of
 one such segment plus the collective that was issued just before it by the other
@@ -36,7 +37,7 @@ from kareus import SCHEMA_VERSION
 from kareus.core import DIRECTIONS, LAUNCH_FIRST
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
-from kareus.workload.graph import ExecutionGraph
+from kareus.workload.graph import ExecutionGraph, StageGraph
 from kareus.workload.layer import backward_ops, forward_ops
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
 
@@ -237,9 +238,18 @@ class PartitionSet:
         try:
             return self.partitions[key]
         except KeyError:
+            if not self.partitions:
+                raise SpecError(f"no partition {key!r}: {self.none_reason}") from None
             raise SpecError(
                 f"no partition {key!r} in this job; keys: {', '.join(self.partitions)}"
             ) from None
+
+    @property
+    def none_reason(self) -> str:
+        """Why a job has no partitions (its microbatch is not split into nanobatches)."""
+        return (f"this job has no partitions: they split each microbatch into two "
+                f"nanobatches, which needs {self.job.nanobatch_requirement}; Megatron-LM and "
+                f"Perseus run it whole")
 
     @property
     def keys(self) -> list[str]:
@@ -269,7 +279,11 @@ def _collective_tags(graph: ExecutionGraph) -> dict[tuple[str, str], str]:
 
 
 def build_partitions(graph: ExecutionGraph) -> PartitionSet:
+    """The job's partitions and instruction layouts; a job whose microbatch is not split
+    (`JobSpec.splits_into_nanobatches`) has no partitions (`sequential_only`)."""
     job = graph.job
+    if not job.splits_into_nanobatches:
+        return sequential_only(graph)
     tags = _collective_tags(graph)
 
     # Which collectives each segment meets, seen on a three-layer pass (enough to reach the
@@ -296,10 +310,7 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
     counts: dict[str, dict[str, list[int]]] = {}
     for stage in graph.stages:
         for direction in DIRECTIONS:
-            pre = stage.forward_pre if direction == "forward" else stage.backward_pre
-            post = stage.forward_post if direction == "forward" else stage.backward_post
-            before = tuple(blocking_steps(pre, direction, one_step_per_op=True))
-            after = tuple(blocking_steps(post, direction, one_step_per_op=True))
+            before, after = _outside_steps(stage, direction)
             steps = list(before)
             pairs, last = interleave(graph.pass_segments(direction, stage.num_layers))
             for seg, coll in pairs:
@@ -331,6 +342,31 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
                "count_backward": tuple(counts[key]["backward"])}
         )
     return PartitionSet(job, graph, partitions, layouts, _sequential_layer(job))
+
+
+def _outside_steps(stage: StageGraph, direction: str) -> tuple[tuple[Step, ...],
+                                                                tuple[Step, ...]]:
+    """The steps before and after the layers of a stage's instruction, one per op."""
+    pre = stage.forward_pre if direction == "forward" else stage.backward_pre
+    post = stage.forward_post if direction == "forward" else stage.backward_post
+    return (tuple(blocking_steps(pre, direction, one_step_per_op=True)),
+            tuple(blocking_steps(post, direction, one_step_per_op=True)))
+
+
+def sequential_only(graph: ExecutionGraph) -> PartitionSet:
+    """A job whose microbatch is not split into nanobatches (an odd micro-batch size): no
+    partitions, and each instruction's layout is Megatron-LM's execution of the whole
+    microbatch (what the Megatron-LM and Perseus baselines run)."""
+    job = graph.job
+    layer = _sequential_layer(job)
+    layouts: dict[tuple[int, str], InstructionLayout] = {}
+    for stage in graph.stages:
+        for direction in DIRECTIONS:
+            before, after = _outside_steps(stage, direction)
+            steps = (*before, *layer[direction] * stage.num_layers, *after)
+            layouts[(stage.index, direction)] = InstructionLayout(
+                stage.index, direction, steps, before, after)
+    return PartitionSet(job, graph, {}, layouts, layer)
 
 
 def _sequential_layer(job: JobSpec) -> dict[str, tuple[Step, ...]]:

@@ -36,6 +36,10 @@ BOUNDS = {
     "H200 GEMM at a locked 1830 MHz, sustained clock at 700 W": 0.08,
     "kareus-1 Megatron iteration time at max clock": 0.20,
     "kareus-1 Megatron mean power per GPU": 0.20,
+    "kareus-1 Megatron MFU": 0.25,
+    "Llama 3.1 8B on 8 H100 (CP2, MBS 1), Megatron step time": 0.10,
+    "Llama 3.1 8B on 8 H100 (CP2, MBS 1), MFU": 0.10,
+    "Llama 3.1 8B on 128 H100 (CP2, DP64, MBS 1), Megatron step time": 0.10,
     **{f"H100 bf16 GEMM {b}x{m}x{n}x{k}": 0.10 for (b, m, n, k), _ in XLA_H100_TFLOPS},
     **{f"A100 FlashAttention-2 fwd+bwd, seq {s}, {mask}": 0.03
        for s in FA2_A100_FWD_BWD for mask in ("causal", "non-causal")},

@@ -23,7 +23,7 @@ def test_parts_add_up_to_the_iteration(simulated):
     gpus_per_stage = job.num_gpus // job.pp
     energy = 0.0
     for row in rows:
-        assert set(row) == {*KERNEL_CLASSES, "transfers", "dp_sync", "pipeline_wait"}
+        assert set(row) == {*KERNEL_CLASSES, "transfers", "iteration_end", "pipeline_wait"}
         assert sum(v["time_s"] for v in row.values()) == pytest.approx(r.time_s, rel=1e-9)
         assert all(v["time_s"] >= -1e-12 and v["energy_j"] >= -1e-9 for v in row.values())
         energy += gpus_per_stage * sum(v["energy_j"] for v in row.values())

@@ -7,13 +7,12 @@ error; tests bound every error (tests/backends/emulator/test_anchors.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kareus.backends.emulator import iteration_anchors, kernel_anchors
+from kareus.backends.emulator.anchor_base import Anchor, backend_for, for_gpu
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.backends.emulator.params import load_params
-from kareus.job.hardware import get_gpu
 from kareus.job.sources import build_job
 from kareus.plans.execution import ExecutionPlan
 from kareus.workload.layer import gemm
@@ -23,58 +22,13 @@ from kareus.workload.workload import Workload
 MiB = 2**20
 
 
-@dataclass(frozen=True)
-class Anchor:
-    name: str
-    source: str
-    unit: str
-    published: float
-    emulated: float
-
-    @property
-    def rel_error(self) -> float:
-        return (self.emulated - self.published) / self.published
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "source": self.source, "unit": self.unit,
-                "published": self.published, "emulated": self.emulated,
-                "rel_error": self.rel_error}
-
-
-def _backend(gpu: str, calibration: str | Path | None, loop: bool = False
-             ) -> EmulatorBackend:
-    """``loop``: as the published interference measurements (anchors §3) run, a GEMM timed
-    in a loop, alone and beside a collective that runs throughout. Plain cuBLAS plans its
-    tiles for the whole GPU even when a collective holds some of its SMs; and each loop's
-    intervals are all alike and far shorter than the power limiter's time constant, so its
-    steady clock is the one at which that interval's power fits the limit, as the
-    memoryless limiter sets it."""
-    spec = get_gpu(gpu)
-    # a calibration file fitted for another GPU must not be applied to this one
-    params = load_params(spec, calibration if _for_gpu(calibration, spec.name) else None)
-    if loop:
-        params = replace(params, gemm_tile_plan_sms=spec.sm_count, limiter_tau_s=0.0)
-    return EmulatorBackend(gpu=spec, params=params)
-
-
-def _for_gpu(calibration: str | Path | None, gpu: str) -> bool:
-    if calibration is None:
-        return False
-    import json
-
-    try:
-        return json.loads(Path(calibration).read_text()).get("gpu") in (None, gpu)
-    except (OSError, ValueError, AttributeError):
-        return True  # let load_params report the problem
-
-
 def gemm_anchor(calibration=None) -> list[Anchor]:
-    b = _backend("A100-40GB", calibration)
+    b = backend_for("A100-40GB", calibration)
     op = gemm("gemm_8192", 8192, 8192, 8192)
     m = b.predict_ops((op,), 1410)
     ph = b.physics
     unthrottled = ph.compute_rate(op, 1410, ph.n_sm, ph.hbm_bw).duration_s  # no power limit
-    h100 = _backend("H100-SXM", calibration)
+    h100 = backend_for("H100-SXM", calibration)
     src = "anchors §1 (mamf-finder table)"
     return [
         Anchor("A100 bf16 GEMM 8192^3 at 1410 MHz, throughput", "anchors §1 (random inputs)",
@@ -107,7 +61,7 @@ def _best_of_sweep(b: EmulatorBackend, freq_mhz: int) -> float:
 
 
 def memory_anchor(calibration=None) -> list[Anchor]:
-    b = _backend("A100-40GB", calibration)
+    b = backend_for("A100-40GB", calibration)
     op = ComputeOp("stream_1GiB", "memory", 0.0, float(1024 * MiB), "other")
     hi, lo = b.predict_ops((op,), 1410), b.predict_ops((op,), 900)
     return [
@@ -124,7 +78,7 @@ def a40_profile_anchor(calibration=None) -> list[Anchor]:
                                    seq_length=2048, recompute=False, gpu="A40",
                                    gpus_per_node=4, nodes=1, num_microbatches=4))
     ps = Workload.build(job).partitions
-    b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, "A40") else None)
+    b = EmulatorBackend(job, calibration=calibration if for_gpu(calibration, "A40") else None)
     sim = IterationSimulator(ps, b)
     plan = ExecutionPlan("megatron", overlap=False, default_freq_mhz=1740)
 
@@ -153,7 +107,7 @@ def a40_profile_anchor(calibration=None) -> list[Anchor]:
 
 
 def nccl_anchor(calibration=None) -> list[Anchor]:
-    b = _backend("A100-40GB", calibration)
+    b = backend_for("A100-40GB", calibration)
     rs = Collective("rs_32MiB", "reduce_scatter", "tp", 8, float(32 * MiB))
     out = []
     for ctas, published in ((8, 105.0), (16, 181.0), (32, 206.0)):
@@ -169,7 +123,7 @@ def nccl_anchor(calibration=None) -> list[Anchor]:
 
 
 def comm_power_anchor(calibration=None) -> list[Anchor]:
-    b = _backend("A100-40GB", calibration)
+    b = backend_for("A100-40GB", calibration)
     ar = Collective("ar_96MiB", "all_reduce", "tp", 8, float(96 * MiB))
     m = b.predict_ops((ar,), 1410, sms=32)
     return [Anchor("A100 communication-only power (AllReduce 96 MiB, 32 CTAs)",
@@ -178,7 +132,7 @@ def comm_power_anchor(calibration=None) -> list[Anchor]:
 
 def overlap_anchor(calibration=None) -> list[Anchor]:
     out = []
-    h100 = _backend("H100-SXM", calibration, loop=True)
+    h100 = backend_for("H100-SXM", calibration, loop=True)
     # 12 x 11 tiles of 128 x 256: exactly 132 CTAs, one wave
     g = gemm("gemm_132_ctas", 12 * 128, 11 * 256, 8192)
     ag = Collective("ag", "all_gather", "tp", 8, float(256 * MiB))
@@ -186,7 +140,7 @@ def overlap_anchor(calibration=None) -> list[Anchor]:
     gemm_time = _compute_stream_time(h100, (g,), ag, 24)
     out.append(Anchor("H100 132-CTA GEMM under a 24-CTA AllGather, slowdown", "anchors §3",
                       "x", 2.0, gemm_time / alone.time_s))
-    h200 = _backend("H200", calibration, loop=True)
+    h200 = backend_for("H200", calibration, loop=True)
     g = gemm("gemm_8192x3072x3072", 8192, 3072, 3072)
     alone_s = h200.predict_ops((g,), 1980).time_s
     sr = Collective("sendrecv", "send_recv", "pp", 2, float(256 * MiB))
@@ -206,31 +160,10 @@ def _compute_stream_time(b: EmulatorBackend, ops, coll: Collective, sms: int) ->
 
 
 def hopper_clock_anchor(calibration=None) -> list[Anchor]:
-    b = _backend("H200", calibration)
+    b = backend_for("H200", calibration)
     m = b.predict_ops((gemm("gemm_8192", 8192, 8192, 8192),), 1830)
     return [Anchor("H200 GEMM at a locked 1830 MHz, sustained clock at 700 W", "anchors §1",
                    "MHz", 1500.0, m.effective_freq_mhz)]
-
-
-def iteration_anchor(calibration=None) -> list[Anchor]:
-    job = build_job("kareus-1")
-    ps = Workload.build(job).partitions
-    b = EmulatorBackend(job, calibration=calibration if _for_gpu(calibration, job.gpu)
-                        else None)
-    r = IterationSimulator(ps, b).run(ExecutionPlan("megatron", False, 1410))
-    src = "anchors §5, Kareus artifact prediction (sanity range +-20%)"
-    return [
-        Anchor("kareus-1 Megatron iteration time at max clock", src, "s", 5.1, r.time_s),
-        Anchor("kareus-1 Megatron mean power per GPU", src, "W", 275.0,
-               r.mean_power_per_gpu_w),
-    ]
-
-
-def _kernel_groups() -> dict[str, Callable[..., list[Anchor]]]:
-    from kareus.backends.emulator import kernel_anchors as k  # it builds on this module
-
-    return {"gemm_shape": k.gemm_shape_anchor, "attention": k.attention_anchor,
-            "memory_bandwidth": k.memory_bandwidth_anchor}
 
 
 ANCHOR_GROUPS: dict[str, Callable[..., list[Anchor]]] = {
@@ -241,11 +174,11 @@ ANCHOR_GROUPS: dict[str, Callable[..., list[Anchor]]] = {
     "comm_power": comm_power_anchor,
     "overlap": overlap_anchor,
     "hopper_clock": hopper_clock_anchor,
-    "iteration": iteration_anchor,
+    "iteration": iteration_anchors.iteration_anchor,
+    "gemm_shape": kernel_anchors.gemm_shape_anchor,
+    "attention": kernel_anchors.attention_anchor,
+    "memory_bandwidth": kernel_anchors.memory_bandwidth_anchor,
 }
-
-
-ANCHOR_GROUPS.update(_kernel_groups())
 
 
 def all_anchors(calibration: str | Path | None = None) -> list[Anchor]:

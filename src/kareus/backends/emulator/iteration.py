@@ -50,8 +50,8 @@ class StageReport:
     transfers_s: float = 0.0
     transfers_j: float = 0.0
     """The sends it waits for (`kareus.plans.schedule`: the sender waits for its send)."""
-    dp_sync_s: float = 0.0
-    dp_sync_j: float = 0.0
+    iteration_end_s: float = 0.0
+    iteration_end_j: float = 0.0
 
 
 @dataclass
@@ -72,8 +72,9 @@ class IterationResult:
         """Per stage, one GPU's iteration split by where its time goes: ``{class: {"time_s",
         "energy_j"}}``. Classes: `KERNEL_CLASSES` (compute kernels by kind, launch gaps,
         exposed collectives; hidden collectives are inside their compute kernel's time),
-        then ``transfers`` (its sends), ``dp_sync`` (the data-parallel gradient sync) and
-        ``pipeline_wait`` (bubbles and waits for the neighbours' transfers, at static power).
+        then ``transfers`` (its sends), ``iteration_end`` (data-parallel sync, optimizer
+        step) and ``pipeline_wait`` (bubbles and waits for the neighbours' transfers, at
+        static power).
         Times add up to ``time_s``; energies times GPUs per stage, over stages, to
         ``energy_j``."""
         static_w = self.static_energy_j / (self.num_gpus * self.time_s)
@@ -83,7 +84,7 @@ class IterationResult:
             row = {c: {"time_s": s.classes[i], "energy_j": s.classes[n + i]}
                    for i, c in enumerate(KERNEL_CLASSES)}
             row["transfers"] = {"time_s": s.transfers_s, "energy_j": s.transfers_j}
-            row["dp_sync"] = {"time_s": s.dp_sync_s, "energy_j": s.dp_sync_j}
+            row["iteration_end"] = {"time_s": s.iteration_end_s, "energy_j": s.iteration_end_j}
             wait_s = self.time_s - sum(v["time_s"] for v in row.values())
             row["pipeline_wait"] = {"time_s": wait_s, "energy_j": wait_s * static_w}
             out.append(row)
@@ -312,7 +313,7 @@ class IterationSimulator:
                 rep.transfers_j += sent.energy_j * mbs
             rep.busy_s += ends[s].time_s
             rep.dynamic_energy_j += ends[s].dynamic_energy_j
-            rep.dp_sync_s, rep.dp_sync_j = ends[s].time_s, ends[s].energy_j
+            rep.iteration_end_s, rep.iteration_end_j = ends[s].time_s, ends[s].energy_j
             rep.end_s = timing.stage_end[s]
         time_s = timing.iteration_s
         gpus_per_stage = job.num_gpus // pp

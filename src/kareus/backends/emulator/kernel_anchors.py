@@ -1,12 +1,12 @@
 """Per-kernel anchors of emulator v3 (docs/anchors.md §8): GEMMs by shape, flash attention
 by sequence length, memory-bound kernels' bandwidth. Each kernel runs in a loop, as the
 public benchmarks run it: tiles planned for the whole GPU, the power limiter in its steady
-state (`anchors._backend(..., loop=True)`).
+state (`anchors.backend_for(..., loop=True)`).
 """
 
 from __future__ import annotations
 
-from kareus.backends.emulator.anchors import Anchor, _backend
+from kareus.backends.emulator.anchor_base import Anchor, backend_for
 from kareus.backends.emulator.attention import SEQ_LENGTHS
 from kareus.job.hardware import get_gpu
 from kareus.workload.layer import gemm
@@ -30,7 +30,7 @@ FA2_H100_FWD_BWD_CAUSAL = {4096: 294.0, 8192: 308.0, 16384: 328.0}
 
 
 def gemm_shape_anchor(calibration=None) -> list[Anchor]:
-    b = _backend("H100-SXM", calibration, loop=True)
+    b = backend_for("H100-SXM", calibration, loop=True)
     out = []
     for (batch, m, n, k), published in XLA_H100_TFLOPS:
         op = gemm("gemm", batch * m, n, k)
@@ -55,7 +55,7 @@ def attention_op(seq: int, causal: bool, backward: bool, tokens: int = 16384,
 
 def _fwd_bwd_tflops(gpu: str, seq: int, causal: bool, calibration) -> float:
     """The benchmark's forward + backward throughput: each direction in its own loop."""
-    b = _backend(gpu, calibration, loop=True)
+    b = backend_for(gpu, calibration, loop=True)
     f = b.gpu.max_freq_mhz
     fwd, bwd = attention_op(seq, causal, False), attention_op(seq, causal, True)
     t = b.predict_ops((fwd,), f).time_s + b.predict_ops((bwd,), f).time_s
@@ -75,7 +75,7 @@ def attention_anchor(calibration=None) -> list[Anchor]:
         out.append(Anchor(f"H100 FlashAttention-2 fwd+bwd, seq {seq}, causal", src,
                           "TFLOP/s", published,
                           _fwd_bwd_tflops("H100-SXM", seq, True, calibration)))
-    b = _backend("A100-80GB", calibration, loop=True)
+    b = backend_for("A100-80GB", calibration, loop=True)
     fwd = attention_op(4096, False, False)
     m = b.predict_ops((fwd,), 1410)
     out.append(Anchor("A100 FlashAttention-2 forward at seq 4096, clock held at 400 W",
@@ -88,7 +88,7 @@ def memory_bandwidth_anchor(calibration=None) -> list[Anchor]:
     out = []
     for gpu, published, what in (("A100-80GB", 1.80e12, "A100-80GB read test"),
                                  ("H100-SXM", 3.0e12, "H100 RMSNorm, rows of 8k")):
-        b = _backend(gpu, calibration)
+        b = backend_for(gpu, calibration)
         rows, width = 32768, 8192
         nbytes = float(2 * rows * width * 2)  # read x, write y (bf16)
         op = ComputeOp("rmsnorm", "memory", 4.0 * rows * width, nbytes, "norm")

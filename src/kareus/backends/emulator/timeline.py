@@ -37,6 +37,12 @@ def _fields(r: RunResult) -> tuple[float, float, float, float, float]:
     return (r.time_s, r.energy_j, r.freq_time_mhz_s, r.compute_end_s, r.overlap_s)
 
 
+def _from_fields(values: Sequence[float]) -> RunResult:
+    """The inverse of `_fields` (an average of runs: no per-class tally)."""
+    t, e, f, c, o = values
+    return RunResult(t, e, f, c, o)
+
+
 KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "memory", "launch_gap",
                                    "collective_exposed")
 """What an interval of a run is charged to (`RunResult.classes`): the kind of the compute
@@ -222,7 +228,7 @@ class Timeline:
             r = self.run(*args, state=st)
             total = [a + b for a, b in zip(total, _fields(r), strict=True)]
             runs += 1
-        return RunResult(*(v / runs for v in total))
+        return _from_fields([v / runs for v in total])
 
     def _mean_field(self, args: tuple, at_set: RunResult) -> RunResult:
         """Short runs under a limiter with memory: the clock settles where the average
@@ -240,8 +246,8 @@ class Timeline:
                 alpha = (self.tdp_w - p_lo) / (p_hi - p_lo)  # share of time at the upper
                 beta = (alpha / hi_run.time_s) / (alpha / hi_run.time_s
                                                   + (1 - alpha) / lo_run.time_s)
-                return RunResult(*(beta * a + (1 - beta) * b for a, b in zip(
-                    _fields(hi_run), _fields(lo_run), strict=True)))
+                return _from_fields([beta * a + (1 - beta) * b for a, b in zip(
+                    _fields(hi_run), _fields(lo_run), strict=True)])
             hi_run = lo_run
         return hi_run  # even the lowest clock exceeds the limit: it runs there
 
