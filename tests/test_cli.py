@@ -166,6 +166,21 @@ def test_simulate_megatron(cli):
     assert text.code == 0 and "per GPU" in text.out
 
 
+def test_simulate_breakdown_adds_up(cli):
+    r = cli("simulate", "-p", "kareus-1", "--breakdown", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert len(doc["breakdown"]) == 2
+    for stage in doc["breakdown"]:
+        assert {"gemm", "attention", "memory", "launch_gap", "collective_exposed",
+                "transfers", "iteration_end", "pipeline_wait"} == set(stage)
+        assert sum(v["time_s"] for v in stage.values()) == pytest.approx(doc["time_s"])
+    assert "breakdown" not in cli("simulate", "-p", "kareus-1", "--json").json()
+    text = cli("simulate", "-p", "kareus-1", "--breakdown")
+    assert text.code == 0 and "memory-bound kernels" in text.out
+    assert "pipeline bubbles and waits" in text.out
+
+
 def test_simulate_megatron_at_its_own_micro_batch_size(cli):
     """Issue 23: MBS 1, one pipeline stage; the Nanobatching baseline refuses it in one
     line naming what it needs and what runs the job."""

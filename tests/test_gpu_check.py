@@ -4,6 +4,7 @@ touched, every partition setting, fixed step and composed option in the report."
 import importlib.util
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -77,12 +78,11 @@ def test_every_fixed_step_measured_once(checked):
             assert _step_label(step) in labels
     assert {"send_activation", "send_grad"} <= labels
     assert {r["category"] for r in fixed} == {"instruction step", "Megatron step", "pipeline"}
-    # identical runs of ops are measured once (two stages' optimizer steps share a label,
-    # not their cost: the request key holds the ops' signature)
-    keys = [r["key"] for r in fixed]
-    assert len(keys) == len(set(keys))
-    assert len({(r["label"], r["sms"], r["slot"]) for r in fixed}) >= len(keys) - len(
-        ps.graph.stages) + 1
+    # identical runs of ops are measured once: the only label measured twice at the same
+    # SMs and slot is the optimizer step, once per stage (different parameter counts)
+    seen = Counter((r["label"], r["sms"], r["slot"]) for r in fixed)
+    twice = {key[0]: n for key, n in seen.items() if n > 1}
+    assert twice in ({}, {"optimizer_step": len(ps.graph.stages)})
     assert "| Megatron step |" in md and "| pipeline | send_grad |" in md
 
 

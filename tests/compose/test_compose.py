@@ -6,7 +6,7 @@ from kareus.backends.journaled import JournaledBackend
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
-from kareus.compose.plans import to_execution_plan
+from kareus.compose.plans import timeline, to_execution_plan
 from kareus.core import PartitionSetting
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
@@ -56,6 +56,26 @@ def test_pipeline_evaluation_by_hand():
     assert p.time_s == pytest.approx(6.0)
     assert p.dynamic_energy_j == pytest.approx(60.0)
     assert p.energy_j == pytest.approx(60.0 + 1 * 6.0 * 1.0)
+
+
+def test_timeline_ends_each_stage_with_its_end_of_iteration_work_by_hand():
+    """Two stages, one microbatch, 1 s per instruction, no transfers; stage 0 ends with
+    0.5 s of data-parallel sync and optimizer step, stage 1 with 0.2 s. Stage 1's backward
+    finishes at 3 s, stage 0's at 4 s: the end bars run 4..4.5 and 3..3.2, and only stage
+    0's is critical."""
+    opts = {(s, d): [InstructionOption(1.0, 1.0, 1200)] for s in range(2)
+            for d in ("forward", "backward")}
+    costs = PipelineCosts(2, 1, gpus=2, static_power_w=1.0, send_activation_s=(0.0, 0.0),
+                          send_grad_s=(0.0, 0.0), end_s=(0.5, 0.2), fixed_dynamic_j=(0, 0))
+    point = evaluate(opts, costs, {(s, 0, d): 0 for s in range(2)
+                                   for d in ("forward", "backward")})
+    assert point.time_s == pytest.approx(4.5)
+    ends = {e.stage: e for e in timeline(point, costs, 1410) if e.kind == "end"}
+    assert (ends[0].start_s, ends[0].time_s) == pytest.approx((4.0, 0.5))
+    assert (ends[1].start_s, ends[1].time_s) == pytest.approx((3.0, 0.2))
+    assert ends[0].critical and not ends[1].critical
+    assert {e.microbatch for e in ends.values()} == {-1}
+    assert {e.freq_mhz for e in ends.values()} == {1410}
 
 
 def test_solver_trades_time_for_energy():

@@ -1,7 +1,7 @@
 import pytest
 
 from kareus.job.sources import build_job
-from kareus.workload.graph import ExecutionGraph, layer_params
+from kareus.workload.graph import ExecutionGraph, layer_params, mfu, model_flops_per_token
 from kareus.workload.ops import Collective
 
 
@@ -175,3 +175,18 @@ def test_cross_entropy_moves_megatrons_passes_over_the_logits():
     fwd = next(op for op in last.forward_post if op.name == "cross_entropy")
     bwd = next(op for op in last.backward_pre if op.name == "cross_entropy_bwd")
     assert (fwd.bytes_, bwd.bytes_) == (38 * logits, 14 * logits)
+
+
+def test_mfu_formula_reproduces_the_published_mfus():
+    """NVIDIA's formula against numbers it did not produce here: Llama 3.2 3B's 23.50 GFLOP
+    per token and kareus-1's 6.16 PFLOP per iteration (docs/anchors.md §8), and the dgxc
+    8B run's 59.37% MFU at its published 12.91 s per step."""
+    job = build_job("kareus-1")
+    assert model_flops_per_token(job) / 1e9 == pytest.approx(23.50, abs=0.005)
+    tokens = job.num_microbatches * job.micro_batch_size * job.seq_length
+    assert model_flops_per_token(job) * tokens / 1e15 == pytest.approx(6.16, abs=0.005)
+    assert mfu(job, 5.1) == pytest.approx(0.242, abs=0.0005)
+    h100 = build_job(overrides=dict(
+        model="llama3.1-8b", gpu="H100-SXM", nodes=1, gpus_per_node=8, tp=1, pp=1, cp=2,
+        dp=4, micro_batch_size=1, seq_length=8192, num_microbatches=32, recompute=False))
+    assert mfu(h100, 12.91) == pytest.approx(0.5937, rel=0.005)

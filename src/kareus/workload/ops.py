@@ -42,6 +42,11 @@ class ComputeOp:
     attn_causal: bool = False
     """Attention only: a causal square (the score matrix's upper triangle skipped)."""
 
+    def __post_init__(self) -> None:
+        if self.kind == "attention" and self.attn_keys < 1:
+            raise ValueError(f"attention op {self.name!r} needs attn_keys (the keys a query "
+                             f"row attends to), got {self.attn_keys}")
+
     @property
     def is_collective(self) -> bool:
         return False

@@ -5,8 +5,8 @@ import pytest
 
 from kareus.backends.emulator.anchors import ANCHOR_GROUPS, all_anchors
 from kareus.backends.emulator.kernel_anchors import (
-    FA2_A100_FWD_BWD,
-    FA2_H100_FWD_BWD_CAUSAL,
+    FA2_A100_FWD_BWD_TFLOPS,
+    FA2_H100_FWD_BWD_CAUSAL_TFLOPS,
     XLA_H100_TFLOPS,
 )
 
@@ -42,10 +42,12 @@ BOUNDS = {
     "Llama 3.1 8B on 128 H100 (CP2, DP64, MBS 1), Megatron step time": 0.10,
     **{f"H100 bf16 GEMM {b}x{m}x{n}x{k}": 0.10 for (b, m, n, k), _ in XLA_H100_TFLOPS},
     **{f"A100 FlashAttention-2 fwd+bwd, seq {s}, {mask}": 0.03
-       for s in FA2_A100_FWD_BWD for mask in ("causal", "non-causal")},
+       for s in FA2_A100_FWD_BWD_TFLOPS for mask in ("causal", "non-causal")},
     **{f"H100 FlashAttention-2 fwd+bwd, seq {s}, causal": 0.03
-       for s in FA2_H100_FWD_BWD_CAUSAL},
+       for s in FA2_H100_FWD_BWD_CAUSAL_TFLOPS},
     "A100 FlashAttention-2 forward at seq 4096, clock held at 400 W": 0.05,
+    # the table has no batch or head-count dependence: that run reads +20%
+    "A100 FlashAttention-2 forward, batch 1, seq 4096, 32 heads": 0.25,
     "A100-80GB read test, achieved bandwidth": 0.03,
     "H100 RMSNorm, rows of 8k, achieved bandwidth": 0.03,
 }
@@ -97,6 +99,6 @@ def test_causal_attention_runs_below_full_and_short_below_long(anchors):
     def a(seq, mask):
         return anchors[f"A100 FlashAttention-2 fwd+bwd, seq {seq}, {mask}"].emulated
 
-    for seq in FA2_A100_FWD_BWD:
+    for seq in FA2_A100_FWD_BWD_TFLOPS:
         assert a(seq, "causal") < a(seq, "non-causal")
     assert a(512, "causal") < a(4096, "causal") < a(16384, "causal") * 1.001

@@ -1,6 +1,8 @@
 """`IterationResult.breakdown`: where one GPU's iteration goes, checked against counts and
 FLOPs taken from the workload, not from the timeline that tallies it."""
 
+import itertools
+
 import pytest
 
 from kareus.backends.emulator.iteration import IterationSimulator
@@ -13,7 +15,8 @@ from kareus.workload.ops import ComputeOp
 @pytest.fixture(scope="module", params=["megatron", "nanobatch"])
 def simulated(request, k1):
     job, ps, b = k1
-    return job, ps, b, IterationSimulator(ps, b).run(baseline_plan(request.param, job))
+    return job, ps, b, IterationSimulator(ps, b).run(baseline_plan(request.param, job),
+                                                     with_instructions=True)
 
 
 def test_parts_add_up_to_the_iteration(simulated):
@@ -73,10 +76,30 @@ def test_compute_classes_cannot_beat_the_peak(k1):
             assert row[kind]["time_s"] <= flops / (0.4 * peak)
 
 
-def test_pipeline_wait_draws_static_power(k1):
+def test_kernel_classes_hold_each_instructions_time_and_dynamic_energy(simulated):
+    """The per-interval tally against each instruction's own total (the run's time and
+    energy, summed step by step): what the classes hold is exactly the instructions."""
+    _, _, b, r = simulated
+    for stage, row in zip(r.stages, r.breakdown(), strict=True):
+        busy = sum(i["time_s"] for i in stage.instructions)
+        dynamic = sum(i["dynamic_energy_j"] for i in stage.instructions)
+        kernels = [row[c] for c in KERNEL_CLASSES]
+        assert sum(v["time_s"] for v in kernels) == pytest.approx(busy, rel=1e-9)
+        assert sum(v["energy_j"] for v in kernels) - b.static_power_w * busy == pytest.approx(
+            dynamic, rel=1e-9)
+
+
+def test_pipeline_wait_is_the_schedules_idle_time(k1):
+    """Waits from the instructions' start times (when each stage is busy) rather than from
+    the breakdown's remainder."""
     job, ps, b = k1
-    r = IterationSimulator(ps, b).run(baseline_plan("megatron", job))
-    for row in r.breakdown():
+    r = IterationSimulator(ps, b).run(baseline_plan("megatron", job), with_instructions=True)
+    for stage, row in zip(r.stages, r.breakdown(), strict=True):
+        spans = sorted((i["start_s"], i["start_s"] + i["time_s"]) for i in stage.instructions)
+        gaps = spans[0][0] + sum(b0 - a1 for (_, a1), (b0, _) in itertools.pairwise(spans))
+        after = r.time_s - spans[-1][1]  # the last instruction to the iteration's end
+        idle = gaps + after - row["transfers"]["time_s"] - row["iteration_end"]["time_s"]
         wait = row["pipeline_wait"]
+        assert wait["time_s"] == pytest.approx(idle, rel=1e-6, abs=1e-9)
         assert wait["time_s"] > 0  # a 2-stage 1F1B has bubbles
         assert wait["energy_j"] == pytest.approx(wait["time_s"] * b.static_power_w)

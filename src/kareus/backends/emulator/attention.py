@@ -32,10 +32,9 @@ import numpy as np
 SEQ_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 A100_CAUSAL_TFLOPS = (99.0, 131.0, 155.0, 182.0, 189.0, 189.0)
 A100_FULL_TFLOPS = (131.0, 181.0, 196.0, 201.0, 203.0, 203.0)
-A100_FWD_OF_COMBINED = 224.0 / 201.0
+A100_FWD_OF_COMBINED = 224.0 / 201.0  # forward, backward over forward + backward, 4k
 A100_BWD_OF_COMBINED = 193.0 / 201.0
 H100_CAUSAL_TFLOPS = {4096: 294.0, 8192: 308.0, 16384: 328.0}
-A100_PEAK_TFLOPS = 312.0
 
 _LOG_SEQ = np.log2(np.array(SEQ_LENGTHS, dtype=float))
 
@@ -73,10 +72,15 @@ def published_tflops(gpu_name: str, keys: int, causal: bool, backward: bool) -> 
     return combined * (A100_BWD_OF_COMBINED if backward else A100_FWD_OF_COMBINED)
 
 
+def has_published_runs(gpu_name: str) -> bool:
+    """Whether FlashAttention-2's throughput was published for this GPU (or its twin: the
+    H200 runs the H100's kernels; A100 40 and 80 GB the same)."""
+    return gpu_name in ("H100-SXM", "H200") or gpu_name.startswith("A100")
+
+
 def published_fraction(gpu_name: str, peak_tflops: float, keys: int, causal: bool,
                        backward: bool) -> float:
-    """The published throughput over ``peak_tflops`` (this GPU's peak at max clock). A GPU
-    without published runs (A40) takes the A100's fraction of its peak."""
-    if gpu_name in ("H100-SXM", "H200") or gpu_name.startswith("A100"):
-        return published_tflops(gpu_name, keys, causal, backward) / peak_tflops
-    return published_tflops("A100", keys, causal, backward) / A100_PEAK_TFLOPS
+    """The published throughput over ``peak_tflops`` (this GPU's peak at max clock)."""
+    if not has_published_runs(gpu_name):
+        raise ValueError(f"no published flash-attention runs on {gpu_name}")
+    return published_tflops(gpu_name, keys, causal, backward) / peak_tflops

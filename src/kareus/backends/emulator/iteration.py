@@ -85,7 +85,8 @@ class IterationResult:
                    for i, c in enumerate(KERNEL_CLASSES)}
             row["transfers"] = {"time_s": s.transfers_s, "energy_j": s.transfers_j}
             row["iteration_end"] = {"time_s": s.iteration_end_s, "energy_j": s.iteration_end_j}
-            wait_s = self.time_s - sum(v["time_s"] for v in row.values())
+            # the remainder: exact but for rounding (a stage with no waits, PP1: ~1e-15)
+            wait_s = max(0.0, self.time_s - sum(v["time_s"] for v in row.values()))
             row["pipeline_wait"] = {"time_s": wait_s, "energy_j": wait_s * static_w}
             out.append(row)
         return out

@@ -6,8 +6,15 @@ state (`anchors.backend_for(..., loop=True)`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kareus.backends.emulator.anchor_base import Anchor, backend_for
-from kareus.backends.emulator.attention import SEQ_LENGTHS
+from kareus.backends.emulator.attention import (
+    A100_CAUSAL_TFLOPS,
+    A100_FULL_TFLOPS,
+    H100_CAUSAL_TFLOPS,
+    SEQ_LENGTHS,
+)
 from kareus.job.hardware import get_gpu
 from kareus.workload.layer import gemm
 from kareus.workload.ops import ComputeOp
@@ -23,13 +30,13 @@ XLA_H100_TFLOPS: tuple[tuple[tuple[int, int, int, int], float], ...] = (
 (anchors §8). A batch of b GEMMs runs as one of b x m rows (a strided batched GEMM has
 the same tiles)."""
 
-FA2_A100_FWD_BWD = {  # seq -> (causal, non-causal), head dim 128, 16k tokens per batch
-    512: (99.0, 131.0), 1024: (131.0, 181.0), 2048: (155.0, 196.0),
-    4096: (182.0, 201.0), 8192: (189.0, 203.0), 16384: (189.0, 203.0)}
-FA2_H100_FWD_BWD_CAUSAL = {4096: 294.0, 8192: 308.0, 16384: 328.0}
+FA2_A100_FWD_BWD_TFLOPS = {  # seq -> (causal, non-causal): attention.py's published table
+    seq: (causal, full) for seq, causal, full in zip(
+        SEQ_LENGTHS, A100_CAUSAL_TFLOPS, A100_FULL_TFLOPS, strict=True)}
+FA2_H100_FWD_BWD_CAUSAL_TFLOPS = H100_CAUSAL_TFLOPS
 
 
-def gemm_shape_anchor(calibration=None) -> list[Anchor]:
+def gemm_shape_anchor(calibration: str | Path | None = None) -> list[Anchor]:
     b = backend_for("H100-SXM", calibration, loop=True)
     out = []
     for (batch, m, n, k), published in XLA_H100_TFLOPS:
@@ -53,7 +60,8 @@ def attention_op(seq: int, causal: bool, backward: bool, tokens: int = 16384,
                      attn_causal=causal)
 
 
-def _fwd_bwd_tflops(gpu: str, seq: int, causal: bool, calibration) -> float:
+def _fwd_bwd_tflops(gpu: str, seq: int, causal: bool,
+                    calibration: str | Path | None) -> float:
     """The benchmark's forward + backward throughput: each direction in its own loop."""
     b = backend_for(gpu, calibration, loop=True)
     f = b.gpu.max_freq_mhz
@@ -62,16 +70,16 @@ def _fwd_bwd_tflops(gpu: str, seq: int, causal: bool, calibration) -> float:
     return (fwd.flops + bwd.flops) / t / 1e12
 
 
-def attention_anchor(calibration=None) -> list[Anchor]:
+def attention_anchor(calibration: str | Path | None = None) -> list[Anchor]:
     src = "anchors §8 (FlashAttention-2 paper)"
     out = []
     for seq in SEQ_LENGTHS:
-        for causal, published in zip((True, False), FA2_A100_FWD_BWD[seq], strict=True):
+        for causal, published in zip((True, False), FA2_A100_FWD_BWD_TFLOPS[seq], strict=True):
             mask = "causal" if causal else "non-causal"
             out.append(Anchor(f"A100 FlashAttention-2 fwd+bwd, seq {seq}, {mask}", src,
                               "TFLOP/s", published,
                               _fwd_bwd_tflops("A100-80GB", seq, causal, calibration)))
-    for seq, published in FA2_H100_FWD_BWD_CAUSAL.items():
+    for seq, published in FA2_H100_FWD_BWD_CAUSAL_TFLOPS.items():
         out.append(Anchor(f"H100 FlashAttention-2 fwd+bwd, seq {seq}, causal", src,
                           "TFLOP/s", published,
                           _fwd_bwd_tflops("H100-SXM", seq, True, calibration)))
@@ -81,10 +89,15 @@ def attention_anchor(calibration=None) -> list[Anchor]:
     out.append(Anchor("A100 FlashAttention-2 forward at seq 4096, clock held at 400 W",
                       "anchors §8 (public run: ~1200 MHz)", "MHz", 1200.0,
                       m.effective_freq_mhz))
+    # the run that clock comes from: batch 1, 32 heads (the table has no batch dependence)
+    one = attention_op(4096, False, False, tokens=4096, heads=32)
+    t = b.predict_ops((one,), 1410).time_s
+    out.append(Anchor("A100 FlashAttention-2 forward, batch 1, seq 4096, 32 heads",
+                      "anchors §8 (public run)", "TFLOP/s", 184.0, one.flops / t / 1e12))
     return out
 
 
-def memory_bandwidth_anchor(calibration=None) -> list[Anchor]:
+def memory_bandwidth_anchor(calibration: str | Path | None = None) -> list[Anchor]:
     out = []
     for gpu, published, what in (("A100-80GB", 1.80e12, "A100-80GB read test"),
                                  ("H100-SXM", 3.0e12, "H100 RMSNorm, rows of 8k")):

@@ -33,11 +33,13 @@ class EmulatorParams:
     """Fraction of peak tensor throughput at the set clock of the best GEMM tile over a long
     reduction (gemm.py: eff = this x tile reuse x k / (k + gemm_k0)). Solved so an A100
     bf16 8192^3 GEMM on all-zero inputs, i.e. without power throttling, runs at 295 of 312
-    TFLOP/s (anchors §1): 0.96 x 8192 / (8192 + 128) x 19 waves' 0.998 fill = 0.944."""
+    TFLOP/s (anchors §1): 0.96 x 8192 / (8192 + 128) x 19 waves' 0.998 fill = 0.944. Not
+    re-solved when k0 became 160 (0.940: 293 TFLOP/s, -0.7%, within the anchor's bound)."""
     gemm_k0: float = 160.0
-    """Prologue + epilogue of one tile in units of reduction length: eff ~ k / (k + k0).
-    Inferred (docs/emulator.md, "GEMM tiles"): a 3-4 stage pipeline of 32-64 deep k-blocks
-    to fill, and the output tile to write, before and after the mainloop."""
+    """Prologue + epilogue of one tile in units of reduction length: eff ~ k / (k + k0): a
+    3-4 stage pipeline of 32-64 deep k-blocks to fill, and the output tile to write, before
+    and after the mainloop. Fitted with ``gemm_fixed_s`` to XLA's H100 shape table
+    (docs/anchors.md §8; docs/emulator.md, "GEMM tiles"); 128 before, inferred."""
     gemm_tile_plan_sms: int = 0
     """SM count cuBLAS's tile heuristic plans for. 0: the SMs the GEMM actually gets
     (cuBLASLt's SM-count target set to what a collective leaves, as a system that
@@ -45,13 +47,15 @@ class EmulatorParams:
     published interference measurements, anchors §3)."""
     gemm_fixed_s: float = 2.5e-6
     """Time of a GEMM kernel that does not scale with its tiles: the grid's ramp-up and the
-    drain of its last wave. Fitted, with ``gemm_k0``, to XLA's table of measured H100 bf16
-    GEMMs by shape (docs/anchors.md §8): k0 = 128 (the value inferred before) and 6.5 us fit
-    all nine shapes within 4% (tests/backends/emulator/test_anchors.py). No A100 table is
-    public: the same time is used there (inferred), varied 3-10 us by the sensitivity."""
+    drain of its last wave. Fitted, with ``gemm_k0`` = 160, to XLA's table of measured H100
+    bf16 GEMMs by shape, each emulated in a loop under the power limit (docs/anchors.md §8):
+    all nine within 8% (`kareus calibrate`). No A100 table is public: the same time is used
+    there (inferred), varied 1-6.5 us by `kareus compare --sensitivity`."""
     attention_efficiency_scale: float = 1.0
-    """Multiplies the published flash-attention efficiencies (attention.py); 1 by default,
-    set by `kareus calibrate --fit` from a real GPU's measurements."""
+    """Multiplies the flash-attention efficiency at the set clock (attention.py), after the
+    held-clock solve; 1 by default, set by `kareus calibrate --fit` from a real GPU's
+    measurements (a calibration file from before emulator v3 has `attention_efficiency`
+    instead: `load_params` turns it into this scale)."""
     hbm_efficiency: float = 0.88
     """Achieved fraction of the HBM datasheet bandwidth for streaming kernels: a public
     A100-80GB read test reached 1.80 of 2.04 TB/s (88%); H100 RMSNorm / softmax /
@@ -183,6 +187,22 @@ def _architecture_params(gpu: GPUSpec) -> EmulatorParams:
     raise SpecError(f"no emulator parameters for {gpu.name}")
 
 
+LEGACY_ATTENTION_EFFICIENCY = {"attention_efficiency": 0.62, "attention_bwd_efficiency": 0.50}
+"""Emulator v2's flat flash-attention efficiencies (forward, backward), which calibration
+files written before v3 override."""
+
+
+def _from_legacy(values: dict[str, Any]) -> dict[str, Any]:
+    """A calibration file's constants with v2's attention efficiencies turned into v3's
+    scale: the fitted value over v2's default (the forward's where both are given)."""
+    out = {k: v for k, v in values.items() if k not in LEGACY_ATTENTION_EFFICIENCY}
+    for key, default in LEGACY_ATTENTION_EFFICIENCY.items():
+        value = values.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out.setdefault("attention_efficiency_scale", value / default)
+    return out
+
+
 def load_params(gpu: GPUSpec, path: str | Path | None) -> EmulatorParams:
     """Defaults for ``gpu``, overridden by a calibration file's ``emulator_params``."""
     params = default_params(gpu)
@@ -196,7 +216,7 @@ def load_params(gpu: GPUSpec, path: str | Path | None) -> EmulatorParams:
         raise SpecError(f"calibration file {p} is for {doc.get('gpu')}, not {gpu.name}")
     known = {f.name: f.type for f in fields(EmulatorParams)}
     overrides: dict[str, Any] = {}  # field name -> int or float, per the field's type
-    for key, value in doc["emulator_params"].items():
+    for key, value in _from_legacy(doc["emulator_params"]).items():
         if key not in known:
             raise SpecError(f"calibration file {p}: unknown parameter {key!r}")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:

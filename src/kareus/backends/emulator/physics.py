@@ -11,15 +11,21 @@ Equations and constants: docs/emulator.md.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from kareus.backends.emulator import attention
 from kareus.backends.emulator.gemm import GemmModel, tile_catalog
-from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams
-from kareus.job.hardware import GPUSpec
+from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams, default_params
+from kareus.job.hardware import GPUSpec, get_gpu
 from kareus.workload.ops import Collective, ComputeOp
+
+REFERENCE_GEMM_EFFICIENCY = 0.96
+"""The best GEMM's efficiency at which `activity_gemm` = 1 draws the SMs' full dynamic power:
+attention's power follows its tensor work relative to it (a fixed reference, so that a
+calibration fitting `gemm_efficiency` does not move attention's power)."""
 
 _SHARE_X = np.array([x for x, _ in MEMORY_SM_SHARE])
 _SHARE_Y = np.array([y for _, y in MEMORY_SM_SHARE])
@@ -100,29 +106,35 @@ class GPUPhysics:
 
     def attention_efficiency(self, op: ComputeOp) -> float:
         """Fraction of peak at the set clock of a flash-attention kernel (attention.py)."""
-        key = (op.attn_keys or 4096, op.attn_causal, op.name.endswith("_bwd"))
+        key = (op.attn_keys, op.attn_causal, op.name.endswith("_bwd"))
         hit = self._attention_eff.get(key)
         if hit is None:
-            hit = self._attention_eff[key] = self._held_clock_efficiency(*key)
+            if attention.has_published_runs(self.gpu.name):
+                eff = self._held_clock_efficiency(*key)
+            else:  # the A100's efficiency at the set clock: the same kernel (inferred)
+                eff = _a100_physics().attention_efficiency(op)
+            hit = self._attention_eff[key] = min(0.95, eff * self.p.attention_efficiency_scale)
         return hit
 
     def _held_clock_efficiency(self, keys: int, causal: bool, backward: bool) -> float:
         """The published throughput was measured at the clock the kernel held at the power
         limit: the highest table clock at which the kernel, running at the efficiency that
-        gives that throughput there, draws at most TDP (all SMs, HBM power left out)."""
+        gives that throughput there, draws at most TDP (all SMs, HBM power left out); the
+        published fraction itself where no clock fits (not throttled: the cap binds)."""
         p = self.p
         peak = self.gpu.flop_per_clock_per_sm * self.n_sm * self.f_max * 1e-6  # TFLOP/s
         fraction = attention.published_fraction(self.gpu.name, peak, keys, causal, backward)
         static = self.gpu.static_power_w * p.static_power_scale
-        eff = fraction
         for f in self.clock_table[::-1]:  # from max clock down
-            eff = min(0.95, fraction * self.f_max / f * p.attention_efficiency_scale)
-            busy = p.activity_attention * eff / p.gemm_efficiency
+            eff = fraction * self.f_max / f
+            if eff > 0.95:
+                break
+            busy = p.activity_attention * eff / REFERENCE_GEMM_EFFICIENCY
             power = static + p.sm_dynamic_power_w * self.sm_power_scale(f) * (
                 p.sm_base_activity + busy)
             if power <= self.gpu.tdp_w:
-                break
-        return eff
+                return eff
+        return fraction
 
     def active_sms(self, op: ComputeOp, sms: int) -> float:
         """Mean number of SMs a kernel keeps busy (a GEMM's last wave is partial)."""
@@ -160,7 +172,7 @@ class GPUPhysics:
         if op.kind == "gemm":  # prologue, epilogue and operand stalls draw less (gemm.py)
             busy *= self.gemm.plan(op.gemm_shapes, sms).tensor_busy
         elif op.kind == "attention":  # tensor work per second relative to the best GEMM
-            busy *= self.attention_efficiency(op) / self.p.gemm_efficiency
+            busy *= self.attention_efficiency(op) / REFERENCE_GEMM_EFFICIENCY
         activity = {"gemm": self.p.activity_gemm, "attention": self.p.activity_attention,
                     "memory": self.p.activity_memory}[op.kind]
         sm_power = (self.p.sm_dynamic_power_w * self.active_sms(op, sms) / self.n_sm
@@ -229,3 +241,11 @@ class GPUPhysics:
 
     def hbm_power(self, hbm_bytes_s: float) -> float:
         return self.p.hbm_power_w * min(1.0, hbm_bytes_s / self.gpu.hbm_bandwidth_bytes_s)
+
+
+@functools.lru_cache(maxsize=1)
+def _a100_physics() -> GPUPhysics:
+    """The A100 with its default constants: flash attention's efficiency on GPUs without
+    published runs of their own."""
+    a100 = get_gpu("A100-40GB")
+    return GPUPhysics(a100, default_params(a100))
