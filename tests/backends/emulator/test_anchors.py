@@ -56,7 +56,8 @@ KNOWN_MISSES = {
     "A40 backward time, 690 / 1740 MHz":
         "emulator v2 moved it from +13.2% to +15.4% (the limiter with memory no longer "
         "throttles the 1740 MHz backward, which the published 284 W says is right; the "
-        "emulated backward is too clock-bound at 690 MHz): docs/emulator.md, Known gaps",
+        "emulated backward is too clock-bound at 690 MHz), v3 to +16.1% (A40 attention "
+        "at the A100's efficiency): docs/emulator.md, Known gaps",
 }
 
 

@@ -4,8 +4,8 @@ emulator, and fit corrections the emulator can load (`--calibration FILE`).
 The set: every partition of the job at a middle setting (the median SM choice, launch
 before the second slot) and two ops outside partitions (the LM head GEMM and the final
 RMSNorm, a memory-bound kernel). The fit scales, from the medians of real / emulated:
-GEMM and attention efficiency (compute-bound time), HBM efficiency (memory-bound time) and
-the SM dynamic power (dynamic energy). It is deliberately coarse: four numbers that move
+GEMM efficiency and the flash-attention scale (compute-bound time), HBM efficiency
+(memory-bound time) and the SM dynamic power (dynamic energy). It is deliberately coarse: four numbers that move
 the emulator's predictions toward this GPU, not a re-derivation of the model.
 """
 
