@@ -5,8 +5,9 @@ The set: every partition of the job at a middle setting (the median SM choice, l
 before the second slot) and two ops outside partitions (the LM head GEMM and the final
 RMSNorm, a memory-bound kernel). The fit scales, from the medians of real / emulated:
 GEMM efficiency and the flash-attention scale (compute-bound time), HBM efficiency
-(memory-bound time) and the SM dynamic power (dynamic energy). It is deliberately coarse: four numbers that move
-the emulator's predictions toward this GPU, not a re-derivation of the model.
+(memory-bound time) and the SM dynamic power (dynamic energy). It is deliberately coarse:
+four numbers that move the emulator's predictions toward this GPU, not a re-derivation of
+the model.
 """
 
 from __future__ import annotations
