@@ -217,8 +217,9 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
                        aspect=8 + 4 * stages)
     bar.set_label("SM clock (MHz)")
     # on the x label's line, left: no row of its own
-    ax.annotate("outlined: critical path; grey: stage-to-stage transfers; purple: "
-                "data-parallel sync and optimizer step", xy=(0, 0.5),
+    # short enough to end before the centred x label on the smallest figure
+    ax.annotate("outlined: critical path; grey: transfers; purple: DP sync and optimizer step",
+                xy=(0, 0.5),
                 xycoords=("axes fraction", ax.xaxis.label), va="center", fontsize=7,
                 color="#555555")
     meta = {"Description": f"SM clock scale: {norm.vmin:g}..{norm.vmax:g} MHz"}
