@@ -1,5 +1,6 @@
 import pytest
 
+from kareus.backends.emulator.iteration_anchors import H100_8B_JOB
 from kareus.job.sources import build_job
 from kareus.workload.graph import ExecutionGraph, layer_params, mfu, model_flops_per_token
 from kareus.workload.ops import Collective
@@ -186,7 +187,5 @@ def test_mfu_formula_reproduces_the_published_mfus():
     tokens = job.num_microbatches * job.micro_batch_size * job.seq_length
     assert model_flops_per_token(job) * tokens / 1e15 == pytest.approx(6.16, abs=0.005)
     assert mfu(job, 5.1) == pytest.approx(0.242, abs=0.0005)
-    h100 = build_job(overrides=dict(
-        model="llama3.1-8b", gpu="H100-SXM", nodes=1, gpus_per_node=8, tp=1, pp=1, cp=2,
-        dp=4, micro_batch_size=1, seq_length=8192, num_microbatches=32, recompute=False))
+    h100 = build_job(overrides=H100_8B_JOB)
     assert mfu(h100, 12.91) == pytest.approx(0.5937, rel=0.005)

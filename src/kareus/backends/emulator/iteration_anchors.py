@@ -12,7 +12,7 @@ from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationResult, IterationSimulator
 from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec
-from kareus.plans.execution import ExecutionPlan
+from kareus.plans.methods import baseline_plan
 from kareus.workload.graph import mfu
 from kareus.workload.workload import Workload
 
@@ -30,8 +30,8 @@ H100_8B_128_JOB: dict[str, Any] = {**H100_8B_JOB, "nodes": 16, "dp": 64}
 def simulate_megatron(job: JobSpec, calibration: str | Path | None) -> IterationResult:
     b = EmulatorBackend(job, calibration=calibration if for_gpu(calibration, job.gpu)
                         else None)
-    plan = ExecutionPlan("megatron", False, job.gpu_spec.max_freq_mhz)
-    return IterationSimulator(Workload.build(job).partitions, b).run(plan)
+    return IterationSimulator(Workload.build(job).partitions, b).run(
+        baseline_plan("megatron", job))
 
 
 def iteration_anchor(calibration: str | Path | None = None) -> list[Anchor]:
