@@ -9,7 +9,7 @@ seconds).
 The other phases are short on a small job, so a test hook holds the process inside the
 phase: a ``sitecustomize`` module on PYTHONPATH (written by `_hook_env`, no hook in the
 package) wraps one function of that phase to print a line on stderr and sleep, and the
-signal arrives there, mid-phase (composing: inside lowtime's solver loop, between two of
+signal arrives there, mid-phase (composing: inside the pipeline LP's loop, between two of
 its steps; validating: after the first plan's simulation; writing: with the plans already
 written beside the directory). `test_sigterm_in_a_real_solve` hits the solver by timing
 alone, on a job whose solve takes many seconds.
@@ -114,16 +114,15 @@ def _hook_env(tmp_path: Path, phase: str) -> dict[str, str]:
             sys.stderr.flush()
             time.sleep(120)
 
-        if PHASE == "compose":  # inside lowtime's solver loop, after its first step
-            from lowtime.solver import PhillipsDessouky
-            run = PhillipsDessouky.run
+        if PHASE == "compose":  # inside the pipeline LP's loop, after its first target
+            import kareus.compose.lp_frontier as lp
+            solve = lp._PipelineLp.solve
 
-            def held_run(self):
-                for i, step in enumerate(run(self)):
-                    yield step
-                    if i == 0:
-                        hold()
-            PhillipsDessouky.run = held_run
+            def held_solve(self, target_s):
+                durations = solve(self, target_s)
+                hold()
+                return durations
+            lp._PipelineLp.solve = held_solve
         elif PHASE == "validate":  # between the first and the second plan's simulation
             import kareus.workflows.optimize as optimize
             plans = optimize._plans
@@ -257,26 +256,25 @@ def test_signal_in_a_phase(previous, tmp_path, phase, sig):
 
 
 def test_sigterm_in_a_real_solve(previous, tmp_path):
-    """No hook: SIGTERM while lowtime solves the 70B job's Perseus frontier (many
-    seconds), over the previous result of another job (--force)."""
+    """No hook: SIGTERM while the pipeline LP solves the 1,024-GPU job's Perseus frontier
+    (many seconds), over the previous result of another job (--force)."""
     out = _result_dir(previous, tmp_path)
     before = _digest(out)
-    run = Kareus("optimize", "-p", "llama3.3-70b-64gpu", "--budget", "20", "--force",
+    run = Kareus("optimize", "-p", "llama3.3-70b-1024gpu", "--budget", "20", "--force",
                  "--out", str(out))
     try:
         run.wait_for("composing perseus")
-        time.sleep(3.0)  # the solve is under way (it lasts many seconds)
+        time.sleep(1.0)  # the solve is under way (it lasts seconds)
         run.send(signal.SIGTERM)
         _check_stopped(run, signal.SIGTERM, out, before)
     finally:
         run.kill()
 
 
-@pytest.mark.parametrize("microbatches", [50, 256], ids=["400-steps", "largest"])
-def test_import_perseus_reacts_to_sigterm_within_seconds(tmp_path, microbatches):
-    """SIGTERM in a solve ends it within 3 s: a long one (50 microbatches: 400 solver
-    steps, many seconds) and the largest accepted (256 microbatches of 2 stages: lowtime's
-    longest calls, which no signal interrupts, and the most memory to free)."""
+def test_import_perseus_reacts_to_sigterm_within_seconds(tmp_path):
+    """SIGTERM in a solve ends it within 3 s: the largest accepted (256 microbatches of 2
+    stages: many seconds of LP solves, and the most memory to free)."""
+    microbatches = 256
     out = tmp_path / "perseus"
     run = Kareus("import-perseus", str(EXAMPLE), "--microbatches", str(microbatches),
                  "--static-power-w", "85", "--out", str(out))
@@ -336,11 +334,12 @@ def _solve_raising(monkeypatch, exc: BaseException) -> None:
     opts = {(s, d): [InstructionOption(0.1 * k, 10.0 / k, 1410 - 100 * k, sequential=True)
                      for k in (1, 2)] for s in range(2) for d in ("forward", "backward")}
     zeros = (0.0, 0.0)
-    solve_frontier(opts, PipelineCosts(2, 2, 2, 0.0, zeros, zeros, zeros, zeros))
+    solve_frontier(opts, PipelineCosts(2, 2, 2, 0.0, zeros, zeros, zeros, zeros),
+                   solver="phillips-dessouky")
 
 
 def test_a_rust_panic_is_one_clear_error(monkeypatch):
-    from kareus.compose.pipeline import is_rust_panic
+    from kareus.compose.phillips_dessouky import is_rust_panic
     from kareus.errors import KareusError
 
     panic = _rust_panic()

@@ -6,7 +6,7 @@ left wherever the solve put them, and its two ends are uniform plans (every inst
 its fastest or its slowest option). So a frontier point can spend energy that buys no time:
 on kareus-1 Perseus's fastest point ran every instruction at max clock. This pass takes a
 plan and, while some instruction's float (how much later it may finish without delaying the
-iteration, kareus.plans.schedule.latest_finish) covers a slower option of that instruction, moves
+iteration, kareus.plans.schedule.latest_times) covers a slower option of that instruction, moves
 it to the slowest such option. Options are Pareto-sorted, so each move lowers the energy and
 none lengthens the iteration; the pass ends when no instruction can move.
 
@@ -15,14 +15,14 @@ round of the exact pass therefore applies the longest prefix of its moves (large
 first) that keeps the iteration time, found by bisection (more moves can only lengthen the
 iteration), then recomputes the floats. It is preceded by a fast pass that moves every
 instruction at once within its free float (growth that moves no other start,
-kareus.plans.schedule.free_float), which is safe in bulk.
+kareus.plans.schedule.free_times), which is safe in bulk.
 """
 
 from __future__ import annotations
 
 from kareus.compose.instruction import InstructionOption
 from kareus.core import InstructionId
-from kareus.plans.schedule import free_float, latest_finish, schedule
+from kareus.plans.schedule import Compiled, compiled, free_times, latest_times, run_times
 
 _TOLERANCE = 1e-12
 
@@ -30,67 +30,79 @@ _TOLERANCE = 1e-12
 def fill_slack(options: dict[tuple[int, str], list[InstructionOption]], pp: int,
                microbatches: int, send_activation_s: tuple[float, ...],
                send_grad_s: tuple[float, ...], end_s: tuple[float, ...],
-               choice: dict[InstructionId, int]) -> dict[InstructionId, int]:
+               choice: dict[InstructionId, int], vp: int = 1) -> dict[InstructionId, int]:
     """``choice`` (per instruction, an index into its Pareto-sorted options, fastest first)
     with every instruction moved as slow as the iteration time allows."""
-    choice = dict(choice)
+    c = compiled(pp, microbatches, vp)
+    times = [[o.time_s for o in options[(s, d)]] for s, _m, d in c.ids]
+    pick = [choice[iid] for iid in c.ids]
+    out_delay = c.out_delays(send_activation_s, send_grad_s)
+    rank_end = c.rank_end_s(end_s)
 
-    def duration(iid: InstructionId) -> float:
-        return options[(iid[0], iid[2])][choice[iid]].time_s
+    def durations_of(p: list[int]) -> list[float]:
+        return [t[i] for t, i in zip(times, p, strict=True)]
 
-    def iteration_with(moves: list[tuple[InstructionId, int]]) -> float:
-        trial = {**choice, **dict(moves)}
-        return schedule(pp, microbatches,
-                        lambda iid: options[(iid[0], iid[2])][trial[iid]].time_s,
-                        list(send_activation_s), list(send_grad_s), list(end_s)).iteration_s
-
-    def slowest_within(iid: InstructionId, spare: float, tol: float) -> int:
-        opts = options[(iid[0], iid[2])]
-        now = best = choice[iid]
-        while best + 1 < len(opts) and opts[best + 1].time_s - opts[now].time_s <= spare - tol:
+    def slowest_within(i: int, spare: float, tol: float) -> int:
+        t = times[i]
+        now = best = pick[i]
+        while best + 1 < len(t) and t[best + 1] - t[now] <= spare - tol:
             best += 1
         return best
 
     while True:  # bulk: every instruction within its free float
-        timing = schedule(pp, microbatches, duration, list(send_activation_s),
-                          list(send_grad_s), list(end_s))
-        tol = _TOLERANCE * timing.iteration_s
-        free = free_float(pp, microbatches, timing, send_activation_s, send_grad_s, end_s)
-        moves = {iid: slowest_within(iid, f, tol) for iid, f in free.items() if f > tol}
-        moves = {iid: i for iid, i in moves.items() if i != choice[iid]}
+        dur = durations_of(pick)
+        start, finish, ends = run_times(c, dur, out_delay, rank_end)
+        iteration = max(ends)
+        tol = _TOLERANCE * iteration
+        free = free_times(c, start, finish, out_delay, rank_end, iteration)
+        moves = [(i, slowest_within(i, f, tol)) for i, f in enumerate(free) if f > tol]
+        moves = [(i, b) for i, b in moves if b != pick[i]]
         if not moves:
             break
-        choice.update(moves)
+        for i, b in moves:
+            pick[i] = b
 
     while True:  # exact: within the total floats, the longest prefix of moves that fits
-        timing = schedule(pp, microbatches, duration, list(send_activation_s),
-                          list(send_grad_s), list(end_s))
-        latest = latest_finish(pp, microbatches, timing, duration, send_activation_s,
-                               send_grad_s, end_s)
-        tol = _TOLERANCE * timing.iteration_s
-        queue: list[tuple[InstructionId, int]] = []
-        for iid in sorted(choice, key=lambda i: timing.finish[i] - latest[i]):
-            spare = latest[iid] - timing.finish[iid]
+        dur = durations_of(pick)
+        _start, finish, ends = run_times(c, dur, out_delay, rank_end)
+        iteration = max(ends)
+        latest = latest_times(c, dur, out_delay, rank_end, iteration)
+        tol = _TOLERANCE * iteration
+        queue: list[tuple[int, int]] = []
+        for i in sorted(range(len(pick)), key=lambda i: finish[i] - latest[i]):
+            spare = latest[i] - finish[i]
             if spare <= tol:
                 break  # sorted by float, largest first: nothing after this can move
-            best = slowest_within(iid, spare, tol)
-            if best != choice[iid]:
-                queue.append((iid, best))
+            best = slowest_within(i, spare, tol)
+            if best != pick[i]:
+                queue.append((i, best))
         if not queue:
-            return choice
-        # each move alone keeps the iteration time; moves sharing a path may not together.
-        # More moves can only lengthen the iteration: bisect for the longest prefix that
-        # does not (the first move always fits).
-        limit = timing.iteration_s + tol
-        ok, bad = 1, len(queue) + 1
-        if iteration_with(queue) <= limit:
-            ok = len(queue)
+            return dict(zip(c.ids, pick, strict=True))
+        ok = _longest_prefix(c, dur, [(i, times[i][b]) for i, b in queue], out_delay,
+                             rank_end, iteration + tol)
+        for i, b in queue[:ok]:
+            pick[i] = b
+
+
+def _longest_prefix(c: Compiled, durations: list[float], moves: list[tuple[int, float]],
+                    out_delay: list[float], rank_end: list[float], limit_s: float) -> int:
+    """How many of ``moves`` (instruction, new duration), in order, fit together within
+    ``limit_s``. Each move alone fits; moves sharing a path may not together. More moves
+    can only lengthen the iteration: bisect (the first move always fits)."""
+
+    def fits(k: int) -> bool:
+        trial = list(durations)
+        for i, t in moves[:k]:
+            trial[i] = t
+        return max(run_times(c, trial, out_delay, rank_end)[2]) <= limit_s
+
+    if fits(len(moves)):
+        return len(moves)
+    ok, bad = 1, len(moves)
+    while bad - ok > 1:
+        mid = (ok + bad) // 2
+        if fits(mid):
+            ok = mid
         else:
-            bad = len(queue)
-            while bad - ok > 1:
-                mid = (ok + bad) // 2
-                if iteration_with(queue[:mid]) <= limit:
-                    ok = mid
-                else:
-                    bad = mid
-        choice.update(queue[:ok])
+            bad = mid
+    return ok

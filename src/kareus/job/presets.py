@@ -94,6 +94,20 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         gpus_per_node=8,
         nodes=8,
     ),
+    # The scale a 70B run trains at: 1,024 H100, TP8 x PP16 (5 layers per stage) x DP8,
+    # 64 microbatches of 2 x 4096 tokens (2,048 instructions per pipeline).
+    "llama3.3-70b-1024gpu": dict(
+        model="llama3.3-70b",
+        tp=8,
+        pp=16,
+        dp=8,
+        micro_batch_size=2,
+        seq_length=4096,
+        num_microbatches=64,
+        gpu="H100-SXM",
+        gpus_per_node=8,
+        nodes=128,
+    ),
 }
 
 
