@@ -90,8 +90,13 @@ def _retry_locked(fn, seconds: float = 30.0):
 
 
 def job_id(job: JobSpec) -> str:
-    """A stable identity of the job: hash of its canonical JSON."""
-    text = json.dumps(job.model_dump(mode="json"), sort_keys=True)
+    """A stable identity of the job: hash of its canonical JSON (without
+    ``virtual_pipeline`` when it is 1, so that jobs journaled before the field existed
+    keep their id)."""
+    doc = job.model_dump(mode="json")
+    if doc.get("virtual_pipeline") == 1:
+        del doc["virtual_pipeline"]
+    text = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

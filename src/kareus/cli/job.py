@@ -28,6 +28,9 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("tp", Annotated[Optional[int], _opt("--tp", help="Tensor-parallel size.")], "tp"),
     ("cp", Annotated[Optional[int], _opt("--cp", help="Context-parallel size.")], "cp"),
     ("pp", Annotated[Optional[int], _opt("--pp", help="Pipeline-parallel size.")], "pp"),
+    ("vp", Annotated[Optional[int], _opt(
+        "--vp", help="Model chunks per pipeline rank: interleaved 1F1B when > 1 (Megatron's "
+                     "virtual pipeline).")], "virtual_pipeline"),
     ("dp", Annotated[Optional[int], _opt(
         "--dp", help="Data-parallel size (derived from the GPU count when omitted).")], "dp"),
     ("sp", Annotated[Optional[bool], _opt(
@@ -39,7 +42,8 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("microbatches", Annotated[Optional[int], _opt(
         "--microbatches", help="Microbatches per iteration.")], "num_microbatches"),
     ("layers_per_stage", Annotated[Optional[str], _opt(
-        "--layers-per-stage", help="Layers of each stage, e.g. 15,13.")], "layers_per_stage"),
+        "--layers-per-stage", help="Layers of each (virtual) stage, e.g. 15,13.")],
+     "layers_per_stage"),
     ("recompute", Annotated[Optional[bool], _opt(
         "--recompute/--no-recompute", help="Full activation recompute.", metavar="")], "recompute"),
     ("gpu", Annotated[Optional[str], _opt("--gpu", help="GPU type (see `kareus gpus`).")],

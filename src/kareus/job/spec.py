@@ -65,6 +65,9 @@ class JobSpec(BaseModel):
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     cp: int = Field(1, ge=1, description="context-parallel size (all-gather mode)")
     pp: int = Field(1, ge=1, description="pipeline-parallel size")
+    virtual_pipeline: int = Field(
+        1, ge=1, description="model chunks per pipeline rank: interleaved 1F1B when > 1 "
+        "(Megatron's virtual pipeline); the workload has pp x virtual_pipeline stages")
     dp: int | None = Field(None, ge=1, description="data-parallel size; derived when omitted")
     sequence_parallel: bool = False
     micro_batch_size: int = Field(
@@ -138,19 +141,30 @@ class JobSpec(BaseModel):
             )
 
     def _check_stages(self) -> None:
-        m = self.model
-        if self.pp > m.num_layers:
-            raise ValueError(f"pp={self.pp} exceeds the {m.num_layers} layers of {m.name}")
+        m, v, n = self.model, self.virtual_pipeline, self.virtual_stages
+        if v > 1 and (self.pp < 2 or self.num_microbatches % self.pp != 0):
+            # Megatron-Core 0.16 runs microbatches in groups of pp per model chunk and
+            # raises on a last group smaller than pp (schedules.py)
+            raise ValueError(
+                f"virtual_pipeline={v} (interleaved 1F1B) needs pp >= 2 and num_microbatches "
+                f"a multiple of pp; got pp={self.pp}, {self.num_microbatches} microbatches")
+        what = f"pp={self.pp}" if v == 1 else f"pp x virtual_pipeline = {n}"
+        if n > m.num_layers:
+            raise ValueError(f"{what} exceeds the {m.num_layers} layers of {m.name}")
         if self.layers_per_stage is None:
-            base, extra = divmod(m.num_layers, self.pp)
-            split = tuple(base + (1 if i < extra else 0) for i in range(self.pp))
+            if v > 1 and m.num_layers % n != 0:  # Megatron: equal chunks unless given
+                raise ValueError(
+                    f"{what} must divide the {m.num_layers} layers of {m.name}, or give "
+                    f"layers_per_stage ({n} entries, one per virtual stage)")
+            base, extra = divmod(m.num_layers, n)
+            split = tuple(base + (1 if i < extra else 0) for i in range(n))
             object.__setattr__(self, "layers_per_stage", split)
         else:
-            if len(self.layers_per_stage) != self.pp:
+            if len(self.layers_per_stage) != n:
                 raise ValueError(
-                    f"layers_per_stage has {len(self.layers_per_stage)} entries but pp={self.pp}"
-                )
-            if any(n < 1 for n in self.layers_per_stage):
+                    f"layers_per_stage has {len(self.layers_per_stage)} entries but {what}"
+                    + (" (one per virtual stage)" if v > 1 else ""))
+            if any(k < 1 for k in self.layers_per_stage):
                 raise ValueError("every pipeline stage needs at least one layer")
             if sum(self.layers_per_stage) != m.num_layers:
                 raise ValueError(
@@ -181,6 +195,12 @@ class JobSpec(BaseModel):
     @property
     def gpu_spec(self) -> GPUSpec:
         return get_gpu(self.gpu)
+
+    @property
+    def virtual_stages(self) -> int:
+        """The stages the workload is built with: pp x virtual_pipeline (virtual stage v
+        runs on pipeline rank v % pp); ``layers_per_stage`` has one entry per each."""
+        return self.pp * self.virtual_pipeline
 
     @property
     def num_gpus(self) -> int:
@@ -236,7 +256,10 @@ class JobSpec(BaseModel):
         parts = [f"{m.name}", f"TP{self.tp}"]
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
-        parts += [f"PP{self.pp}", f"DP{self.dp}"]
+        parts.append(f"PP{self.pp}")
+        if self.virtual_pipeline > 1:
+            parts.append(f"VP{self.virtual_pipeline}")
+        parts.append(f"DP{self.dp}")
         if self.sequence_parallel:
             parts.append("SP")
         parts += [

@@ -25,7 +25,9 @@ from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, Op, Segme
 
 @dataclass(frozen=True)
 class StageGraph:
-    """What one pipeline stage runs besides its layers."""
+    """What one pipeline stage runs besides its layers. With interleaved 1F1B a stage is a
+    virtual stage (one model chunk of rank ``index % pp``); its end-of-iteration work is
+    the chunk's share of the rank's (the rank's sum: `kareus.plans.schedule`)."""
 
     index: int
     num_layers: int
@@ -83,7 +85,8 @@ class ExecutionGraph:
     def from_job(cls, job: JobSpec) -> ExecutionGraph:
         fwd = forward_ops(job)
         bwd = backward_ops(job, fwd)
-        stages = tuple(_stage(job, i) for i in range(job.pp))
+        # with interleaved 1F1B, one StageGraph per virtual stage (rank = index % pp)
+        stages = tuple(_stage(job, i) for i in range(job.virtual_stages))
         return cls(job, tuple(fwd), tuple(bwd), stages)
 
     # Segments of a pass ------------------------------------------------------------------
@@ -140,7 +143,8 @@ class ExecutionGraph:
 
     @property
     def iteration_flops_total(self) -> float:
-        """All GPUs of the job: each stage's per-GPU FLOPs times the GPUs of that stage."""
+        """All GPUs of the job: each (virtual) stage's per-GPU FLOPs times the GPUs of its
+        pipeline rank."""
         gpus_per_stage = self.job.num_gpus // self.job.pp
         return float(sum(self.per_gpu_iteration_flops) * gpus_per_stage)
 
@@ -205,7 +209,7 @@ def _optimizer_step(params: int, shards: int) -> ComputeOp:
 
 def _stage(job: JobSpec, index: int) -> StageGraph:
     m = job.model
-    first, last = index == 0, index == job.pp - 1
+    first, last = index == 0, index == job.virtual_stages - 1
     layers = (job.layers_per_stage or ())[index]
     tokens = job.micro_batch_size * job.local_seq_length  # one microbatch on one rank
     h = m.hidden_size

@@ -1,4 +1,4 @@
-"""Does the job fit? Memory per GPU of each pipeline stage under Megatron-LM's execution.
+"""Does the job fit? Memory per GPU of each pipeline rank under Megatron-LM's execution.
 
 - Weights: bf16, 2 bytes per parameter the rank holds (its layers; the embedding on the
   first stage, the final norm and LM head on the last).
@@ -14,6 +14,10 @@
   (4h MLP); for SwiGLU blocks they are an approximation. With full recompute a layer keeps
   only its input (2 s b h bytes, /t with SP) and one layer's activations are live while it
   is recomputed. 1F1B keeps min(PP - stage, microbatches) microbatches in flight.
+  Interleaved 1F1B (V model chunks per rank): the memory is per rank, summed over its
+  chunks, and rank r holds min(2 (PP - r - 1) + (V - 1) PP + 1, V x microbatches) chunk
+  forwards in flight (its warm-up plus one, Megatron-Core's schedule), each of a chunk's
+  layers (the rank's mean).
 - The last stage's logits for one microbatch: bf16 logits and the fp32 softmax of the
   vocab-parallel loss, s b (vocab/t) x 6 bytes.
 - A reserve for the CUDA context, NCCL buffers and allocator fragmentation: 2 GiB
@@ -61,32 +65,39 @@ def layer_activation_bytes(job: JobSpec) -> float:
 
 
 def stage_memory(graph: ExecutionGraph) -> list[StageMemory]:
+    """Per pipeline rank (one stage each, or V virtual stages with interleaved 1F1B)."""
     job = graph.job
     d = (job.dp or 1) * job.cp
     s, b, h, t = job.local_seq_length, job.micro_batch_size, job.model.hidden_size, job.tp
     layer = layer_activation_bytes(job)
     layer_input = 2 * s * b * h / (t if job.sequence_parallel else 1)
     vocab_local = -(-job.model.vocab_size // t)
+    pp, v, last = job.pp, job.virtual_pipeline, job.virtual_stages - 1
     out = []
-    for g in graph.stages:
-        in_flight = min(job.pp - g.index, job.num_microbatches)
+    for rank in range(pp):
+        chunks = graph.stages[rank::pp]
+        warmup = 2 * (pp - rank - 1) + (v - 1) * pp if v > 1 else pp - rank - 1
+        in_flight = min(warmup + 1, v * job.num_microbatches)  # chunk forwards held
+        chunk_layers = sum(g.num_layers for g in chunks) / v
         if job.recompute:
-            act = g.num_layers * in_flight * layer_input + layer
+            act = chunk_layers * in_flight * layer_input + layer
         else:
-            act = g.num_layers * in_flight * layer
-        logits = s * b * vocab_local * 6.0 if g.index == job.pp - 1 else 0.0
-        out.append(StageMemory(g.index, 2.0 * g.params, 4.0 * g.params,
-                               12.0 * g.params / d, act, logits))
+            act = chunk_layers * in_flight * layer
+        logits = s * b * vocab_local * 6.0 if any(g.index == last for g in chunks) else 0.0
+        params = sum(g.params for g in chunks)
+        out.append(StageMemory(rank, 2.0 * params, 4.0 * params, 12.0 * params / d, act,
+                               logits))
     return out
 
 
 def check_fits(graph: ExecutionGraph) -> None:
-    """SpecError, with the numbers, when a stage does not fit its GPUs' memory."""
+    """SpecError, with the numbers, when a pipeline rank does not fit its GPUs' memory."""
     gpu = graph.job.gpu_spec
+    where = "stage" if graph.job.virtual_pipeline == 1 else "pipeline rank"
     for m in stage_memory(graph):
         if m.total_bytes > gpu.memory_bytes:
             raise SpecError(
-                f"the job does not fit: stage {m.stage} needs {m.total_bytes / _GIB:,.1f} GiB "
+                f"the job does not fit: {where} {m.stage} needs {m.total_bytes / _GIB:,.1f} GiB "
                 f"per GPU ({m.describe()} GiB) but a {gpu.name} has "
                 f"{gpu.memory_bytes / _GIB:,.1f} GiB; use more TP/PP/CP, a smaller "
                 f"microbatch or sequence{'' if graph.job.recompute else ', or --recompute'}")

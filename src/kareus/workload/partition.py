@@ -321,7 +321,7 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
                 steps.append(Step("partition", (*seg.ops, coll), key))
                 if key not in prototypes:
                     prototypes[key] = _prototype(job, key, seg, coll, per_layer[key])
-                c = counts.setdefault(key, {d: [0] * job.pp for d in DIRECTIONS})
+                c = counts.setdefault(key, {d: [0] * len(graph.stages) for d in DIRECTIONS})
                 c[direction][stage.index] += 1
             if last is not None:
                 steps.append(Step("exposed", (last,)))
