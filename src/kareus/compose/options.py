@@ -102,7 +102,7 @@ class Composer:
             raise SpecError(f"{method.name} needs the partitions' search results")
         freqs = (self.f_max,) if method.clocks == "max" else self.freqs
         out: dict[tuple[int, str], list[Recipe]] = {}
-        for stage in range(self.ps.job.pp):
+        for stage in range(self.ps.job.virtual_stages):
             for d in DIRECTIONS:
                 recipes: list[Recipe] = []
                 for f in freqs:
@@ -194,8 +194,10 @@ class Composer:
             end.append(e.time_s if e else 0.0)
             fixed.append(job.num_microbatches * sum(m.dynamic_energy_j for m in sends.values())
                          + (e.dynamic_energy_j if e else 0.0))
+        # per (virtual) stage: graph.stages has pp x virtual_pipeline of them
         return PipelineCosts(job.pp, job.num_microbatches, job.num_gpus, b.static_power_w,
-                             tuple(act), tuple(grad), tuple(end), tuple(fixed))
+                             tuple(act), tuple(grad), tuple(end), tuple(fixed),
+                             vp=job.virtual_pipeline)
 
     def _answer(self, need: Need) -> Measurement:
         hit = self._answers.get(need)
