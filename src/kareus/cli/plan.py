@@ -202,7 +202,9 @@ def plan_show(
     rows = settings_by_clock(p)
     if out is not None:
         title = str(job.get("model", {}).get("name", ""))
-        write_file_atomic(out, lambda tmp: timeline_figure(p, tmp, title))
+        pp = job.get("pp")  # rows are ranks: virtual stages (interleaved 1F1B) share one
+        write_file_atomic(out, lambda tmp: timeline_figure(
+            p, tmp, title, pp=pp if isinstance(pp, int) and pp > 0 else None))
     if json_out:
         print_json({**p.summary(), "settings": rows, "png": None if out is None else str(out)})
         return

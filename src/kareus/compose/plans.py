@@ -35,26 +35,32 @@ def timeline(point: PipelinePoint, costs: PipelineCosts, f_max: int
     """The point's 1F1B schedule as bars: every instruction with its clock and whether it
     is critical (no float), every transfer after the instruction that sends it, and each
     stage's end-of-iteration work (data-parallel sync, optimizer step: kind "end",
-    microbatch -1, at ``f_max``, critical on the stage that ends last)."""
+    microbatch -1, at ``f_max``, critical on the rank that ends last). With interleaved
+    1F1B every bar's stage is a virtual stage (its rank: stage % pp), and a rank's chunks'
+    end-of-iteration bars follow each other after its last instruction."""
 
     def duration(iid: InstructionId) -> float:
         return point.picks[iid].time_s
 
+    pp, mbs, vp = costs.pp, costs.microbatches, costs.vp
     acts, grads = list(costs.send_activation_s), list(costs.send_grad_s)
-    t = schedule(costs.pp, costs.microbatches, duration, acts, grads, list(costs.end_s))
-    late = latest_finish(costs.pp, costs.microbatches, t, duration, acts, grads, costs.end_s)
+    t = schedule(pp, mbs, duration, acts, grads, list(costs.end_s), vp=vp)
+    late = latest_finish(pp, mbs, t, duration, acts, grads, costs.end_s, vp=vp)
     tol = 1e-9 * t.iteration_s
     out = []
     for (s, m, d), start in sorted(t.start.items(), key=lambda x: (x[0][0], x[1])):
         crit = bool(late[(s, m, d)] - t.finish[(s, m, d)] <= tol)  # not a numpy bool
         f = point.picks[(s, m, d)].freq_mhz
         out.append(TimelineEntry(s, m, d, start, duration((s, m, d)), f, crit))
-        send = sends_after(s, d, costs.pp, acts, grads)
+        send = sends_after(s, d, costs.stages, acts, grads)
         if send > 0:
             out.append(TimelineEntry(s, m, "send", t.finish[(s, m, d)], send, f, crit))
-    for s, end_s in enumerate(costs.end_s):
-        if end_s > 0:
-            done = t.stage_end[s] - end_s
-            out.append(TimelineEntry(s, -1, "end", done, end_s, f_max,
-                                     bool(t.stage_end[s] >= t.iteration_s - tol)))
+    for rank in range(pp):
+        chunks = range(rank, costs.stages, pp)
+        at = t.stage_end[rank] - sum(costs.end_s[s] for s in chunks)
+        crit = bool(t.stage_end[rank] >= t.iteration_s - tol)
+        for s in chunks:
+            if costs.end_s[s] > 0:
+                out.append(TimelineEntry(s, -1, "end", at, costs.end_s[s], f_max, crit))
+                at += costs.end_s[s]
     return out

@@ -172,11 +172,13 @@ def _validation_line(error: float | None) -> str:
             f"composed and simulated time or energy is {error * 100:.2f}%; per method:")
 
 
-def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int] = ()
-                    ) -> None:
-    """The plan's 1F1B timeline: one row per stage, instructions coloured by clock (F/B and
-    the microbatch written on wide bars), transfers grey, critical instructions outlined;
-    cropped to what is drawn. The colour scale spans ``clocks_mhz`` (the job's clocks:
+def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int] = (),
+                    pp: int | None = None) -> None:
+    """The plan's 1F1B timeline: one row per pipeline rank (``pp`` of them; every stage its
+    own rank when not given), instructions coloured by clock (F/B and the microbatch
+    written on wide bars, then ``.chunk`` with interleaved 1F1B: a virtual stage's chunk
+    is stage // pp), transfers grey, critical instructions outlined; cropped to what is
+    drawn. The colour scale spans ``clocks_mhz`` (the job's clocks:
     every timeline of a job on one scale) and the plan's own clocks; a PNG's Description
     metadata states it ("SM clock scale: LO..HI MHz")."""
     import matplotlib
@@ -188,15 +190,16 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
 
     entries = plan.timeline
     stages = 1 + max((e.stage for e in entries), default=0)
+    ranks = pp or stages
     clocks = [*clocks_mhz, *(e.freq_mhz for e in entries if e.kind not in ("send", "end"))
               ] or [0]
     lo, hi = min(clocks), max(clocks)
     norm = Normalize(lo, hi) if lo < hi else Normalize(lo - 1, hi + 1)
     cmap = colormaps["viridis"]
-    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * stages), dpi=120, layout="constrained")
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * ranks), dpi=120, layout="constrained")
     end = max((e.start_s + e.time_s for e in entries), default=1.0)
     for e in entries:
-        y = stages - 1 - e.stage
+        y = ranks - 1 - e.stage % ranks
         if e.kind in ("send", "end"):
             ax.barh(y, e.time_s, left=e.start_s, height=0.35,
                     color="#bbbbbb" if e.kind == "send" else "#7a5195", edgecolor="none")
@@ -205,16 +208,18 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
                 edgecolor="black" if e.critical else "white",
                 linewidth=1.6 if e.critical else 0.4)
         if e.time_s > 0.025 * end:
-            ax.text(e.start_s + e.time_s / 2, y, f"{e.kind[0].upper()}{e.microbatch}",
+            chunk = f".{e.stage // ranks}" if stages > ranks else ""
+            ax.text(e.start_s + e.time_s / 2, y, f"{e.kind[0].upper()}{e.microbatch}{chunk}",
                     ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(stages), [f"stage {stages - 1 - i}" for i in range(stages)])
-    ax.set_ylim(-0.5, stages - 0.5)
+    row = "rank" if stages > ranks else "stage"
+    ax.set_yticks(range(ranks), [f"{row} {ranks - 1 - i}" for i in range(ranks)])
+    ax.set_ylim(-0.5, ranks - 0.5)
     ax.set_xlim(0, end * 1.005)
     ax.set_xlabel("time (s)")
     ax.set_title(f"{plan.id}: {plan.time_s:.3f} s, {plan.energy_j / 1e3:.2f} kJ\n{title}",
                  fontsize=9)
     bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01,
-                       aspect=8 + 4 * stages)
+                       aspect=8 + 4 * ranks)
     bar.set_label("SM clock (MHz)")
     # on the x label's line, left: no row of its own
     # short enough to end before the centred x label on the smallest figure

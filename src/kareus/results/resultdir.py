@@ -159,7 +159,7 @@ class ResultDir(OwnedDir):
             frontier_figure(result.frontier_points(), new.figure, result.job.describe())
             for which, plan in highlighted_plans(result).items():
                 timeline_figure(plan, new.timeline(which), result.job.describe(),
-                                clocks_mhz=result.job.freqs_mhz)
+                                clocks_mhz=result.job.freqs_mhz, pp=result.job.pp)
             new.report.write_text(markdown_report(result, self.path))
             new.result_file.write_text(json.dumps(result.to_dict(), indent=1))
 

@@ -5,18 +5,20 @@ measurements: every instruction runs as one continuous two-stream timeline over 
 steps (outside ops, the solo first segment, every layer's partitions with the plan's knobs
 at the instruction's clock and their collectives on the side stream, the exposed last
 collective); with ``overlap=False`` (Megatron-LM) the microbatch is not split and every
-collective blocks the compute stream. Each stage's GPU carries its power limiter's state
+collective blocks the compute stream. Each pipeline rank's GPU carries its power limiter's state
 (kareus.backends.emulator.timeline) from step to step, through the waits between
 instructions and across the clock changes between them. Composition instead adds up
 steady-state measurements of each partition taken alone: where the limiter's memory spans
 partitions (a GEMM-heavy partition beside light ones is throttled less than alone), the
 two differ, and that difference is what the validation reports.
 
-Stages follow the 1F1B order (warm-up forwards,
-steady one-forward-one-backward, cool-down backwards); a forward waits for the previous
-stage's forward of the same microbatch plus the activation transfer, a backward for the
-next stage's backward plus the gradient transfer. After its last backward a stage runs
-the data-parallel gradient sync. A GPU that waits draws static power.
+Ranks follow the 1F1B order (warm-up forwards,
+steady one-forward-one-backward, cool-down backwards; interleaved 1F1B with
+``virtual_pipeline > 1``, a rank then running several virtual stages, its model chunks); a
+forward waits for the previous stage's forward of the same microbatch plus the activation
+transfer, a backward for the next stage's backward plus the gradient transfer. After its
+last backward a rank runs the data-parallel gradient sync. A GPU that waits draws static
+power.
 
 Iteration time is the slowest rank's; energy is summed over all GPUs of the job:
 sum of dynamic energies (every GPU of a stage does the same work) + GPUs x time x static.
@@ -34,7 +36,7 @@ from kareus.backends.emulator.limiter import LimiterState
 from kareus.backends.emulator.timeline import KERNEL_CLASSES, RunResult
 from kareus.core import ZERO, Knobs, Measurement
 from kareus.plans.execution import ExecutionPlan
-from kareus.plans.schedule import one_f_one_b, schedule
+from kareus.plans.schedule import rank_order, schedule
 from kareus.workload.partition import PartitionSet, Step
 
 
@@ -63,6 +65,7 @@ class IterationResult:
     dynamic_energy_j: float
     num_gpus: int
     stages: list[StageReport]
+    """One per pipeline rank (a rank is a stage unless the pipeline is interleaved)."""
 
     @property
     def mean_power_per_gpu_w(self) -> float:
@@ -267,9 +270,12 @@ class IterationSimulator:
     # The pipeline ---------------------------------------------------------------------------
 
     def run(self, plan: ExecutionPlan, with_instructions: bool = False) -> IterationResult:
+        """The whole iteration; one `StageReport` per pipeline rank (with interleaved 1F1B
+        a rank runs the instructions, transfers and end-of-iteration work of its chunks,
+        virtual stages rank, rank + pp, ...: one GPU, one limiter state)."""
         job, b = self.job, self.backend
-        pp, mbs = job.pp, job.num_microbatches
-        stages = self.ps.graph.stages
+        pp, mbs, vp = job.pp, job.num_microbatches, job.virtual_pipeline
+        stages = self.ps.graph.stages  # per virtual stage
         # Transfers between stages: both ends wait for each (kareus.plans.schedule); their (small)
         # dynamic energy is counted once, on the sender.
         sends = {s.index: {t.name: b.predict_ops((t,), plan.default_freq_mhz)
@@ -277,16 +283,16 @@ class IterationSimulator:
         ends = [b.predict_ops(g.iteration_end, plan.default_freq_mhz) if g.iteration_end else ZERO
                 for g in stages]
         costs: dict = {}
-        reports = [StageReport(s) for s in range(pp)]
+        reports = [StageReport(r) for r in range(pp)]
         states = [b.timeline.idle_state() for _ in range(pp)]
         free_at = [0.0] * pp
 
         def duration_at(iid, start: float) -> float:
             s, m, d = iid
-            f = plan.freq(s, m, d)
-            b.timeline.rest(states[s], start - free_at[s], f)
-            costs[iid] = self._continuous(plan, iid, f, states[s], reports[s].classes)
-            free_at[s] = start + costs[iid].time_s
+            r, f = s % pp, plan.freq(s, m, d)
+            b.timeline.rest(states[r], start - free_at[r], f)
+            costs[iid] = self._continuous(plan, iid, f, states[r], reports[r].classes)
+            free_at[r] = start + costs[iid].time_s
             return costs[iid].time_s
 
         def send(s: int, name: str) -> float:
@@ -294,31 +300,33 @@ class IterationSimulator:
             return m.time_s if m is not None else 0.0
 
         timing = schedule(pp, mbs, lambda iid: 0.0,
-                          [send(s, "send_activation") for s in range(pp)],
-                          [send(s, "send_grad") for s in range(pp)],
-                          [e.time_s for e in ends], duration_at=duration_at)
-        for s in range(pp):
-            rep = reports[s]
-            for m, d in one_f_one_b(pp, mbs, s):
+                          [send(s, "send_activation") for s in range(len(stages))],
+                          [send(s, "send_grad") for s in range(len(stages))],
+                          [e.time_s for e in ends], duration_at=duration_at, vp=vp)
+        for r in range(pp):
+            rep = reports[r]
+            for s, m, d in rank_order(pp, mbs, r, vp):
                 cost = costs[(s, m, d)]
                 rep.busy_s += cost.time_s
                 rep.dynamic_energy_j += cost.dynamic_energy_j
                 if with_instructions:
                     rep.instructions.append({
-                        "microbatch": m, "direction": d, "freq_mhz": plan.freq(s, m, d),
-                        "start_s": timing.start[(s, m, d)], "time_s": cost.time_s,
-                        "dynamic_energy_j": cost.dynamic_energy_j})
-            for sent in sends[s].values():
-                rep.dynamic_energy_j += sent.dynamic_energy_j * mbs
-                rep.transfers_s += sent.time_s * mbs
-                rep.transfers_j += sent.energy_j * mbs
-            rep.busy_s += ends[s].time_s
-            rep.dynamic_energy_j += ends[s].dynamic_energy_j
-            rep.iteration_end_s, rep.iteration_end_j = ends[s].time_s, ends[s].energy_j
-            rep.end_s = timing.stage_end[s]
+                        "stage": s, "microbatch": m, "direction": d,
+                        "freq_mhz": plan.freq(s, m, d), "start_s": timing.start[(s, m, d)],
+                        "time_s": cost.time_s, "dynamic_energy_j": cost.dynamic_energy_j})
+            for s in range(r, len(stages), pp):  # the rank's chunks
+                for sent in sends[s].values():
+                    rep.dynamic_energy_j += sent.dynamic_energy_j * mbs
+                    rep.transfers_s += sent.time_s * mbs
+                    rep.transfers_j += sent.energy_j * mbs
+                rep.busy_s += ends[s].time_s
+                rep.dynamic_energy_j += ends[s].dynamic_energy_j
+                rep.iteration_end_s += ends[s].time_s
+                rep.iteration_end_j += ends[s].energy_j
+            rep.end_s = timing.stage_end[r]
         time_s = timing.iteration_s
-        gpus_per_stage = job.num_gpus // pp
-        dynamic = gpus_per_stage * sum(r.dynamic_energy_j for r in reports)
+        gpus_per_rank = job.num_gpus // pp
+        dynamic = gpus_per_rank * sum(r.dynamic_energy_j for r in reports)
         static = job.num_gpus * time_s * b.static_power_w
         return IterationResult(plan.name, time_s, dynamic + static, static, dynamic,
                                job.num_gpus, reports)
