@@ -146,14 +146,15 @@ def simulate(
         f"iteration {r.time_s:,.3f} s, energy {r.energy_j / 1e3:,.2f} kJ over {r.num_gpus} "
         f"GPUs (static {r.static_energy_j / 1e3:,.2f} kJ, dynamic "
         f"{r.dynamic_energy_j / 1e3:,.2f} kJ), mean {r.mean_power_per_gpu_w:,.1f} W per GPU")
-    t = table("Per stage (one GPU)", ("stage", "busy s", "idle s", "dynamic kJ", "energy kJ"))
+    row = "stage" if job.virtual_pipeline == 1 else "rank"  # interleaved: chunks per rank
+    t = table(f"Per {row} (one GPU)", (row, "busy s", "idle s", "dynamic kJ", "energy kJ"))
     for s in r.stages:
         energy = s.dynamic_energy_j + r.time_s * static_w
         t.add_row(str(s.index), f"{s.busy_s:,.3f}", f"{r.time_s - s.busy_s:,.3f}",
                   f"{s.dynamic_energy_j / 1e3:,.3f}", f"{energy / 1e3:,.3f}")
     console.print(t)
     if breakdown:
-        _print_breakdown(r.breakdown(), r.time_s)
+        _print_breakdown(r.breakdown(), r.time_s, row)
 
 
 BREAKDOWN_LABELS = {
@@ -164,11 +165,13 @@ BREAKDOWN_LABELS = {
     "pipeline_wait": "pipeline bubbles and waits"}
 
 
-def _print_breakdown(rows: list[dict[str, dict[str, float]]], time_s: float) -> None:
-    """One table: per class, each stage's time (and share) and mean power while in it."""
+def _print_breakdown(rows: list[dict[str, dict[str, float]]], time_s: float,
+                     row_name: str = "stage") -> None:
+    """One table: per class, each stage's (rank's) time (and share) and mean power while
+    in it."""
     cols = ["class"]
     for i in range(len(rows)):
-        cols += [f"stage {i} s", "%", "W"]
+        cols += [f"{row_name} {i} s", "%", "W"]
     t = table("Where one GPU's iteration goes (hidden collectives are inside the kernel "
               "they overlap)", tuple(cols))
     for cls, label in BREAKDOWN_LABELS.items():
