@@ -33,6 +33,9 @@ class PowerLimiter:
 
     HYSTERESIS = 0.02
     TICKS_PER_TAU = 5
+    TICK_SLACK = 1e-9
+    """Relative: a tick due within this share of a tick fires now (no sliver of an
+    interval left before it)."""
 
     def __init__(self, limit_w: float, tau_s: float, table_mhz: Sequence[float]) -> None:
         self.limit_w = limit_w
@@ -51,14 +54,18 @@ class PowerLimiter:
         a = math.exp(-dt / self.tau_s)
         state.avg_power_w = power_w + (state.avg_power_w - power_w) * a
         state.since_tick_s += dt
-        if state.since_tick_s >= self.tick_s * (1 - 1e-9):
-            state.since_tick_s = 0.0
-            if state.avg_power_w > self.limit_w:
-                # down one step from the clock it runs
-                i = bisect_right(self.table, self.clock(state, f_set)) - 1
-                state.cap_mhz = self.table[max(i - 1, 0)]
-            elif state.avg_power_w < self.limit_w * (1 - self.HYSTERESIS):
-                # the cap follows power alone: a higher set clock applies at once when
-                # power allows, as a clock lock does
-                i = bisect_right(self.table, state.cap_mhz) - 1
-                state.cap_mhz = self.table[min(i + 1, len(self.table) - 1)]
+        if state.since_tick_s >= self.tick_s * (1 - self.TICK_SLACK):
+            self.tick(state, f_set)
+
+    def tick(self, state: LimiterState, f_set: float) -> None:
+        """A control tick: the cap moves by the averaged power."""
+        state.since_tick_s = 0.0
+        if state.avg_power_w > self.limit_w:
+            # down one step from the clock it runs
+            i = bisect_right(self.table, self.clock(state, f_set)) - 1
+            state.cap_mhz = self.table[max(i - 1, 0)]
+        elif state.avg_power_w < self.limit_w * (1 - self.HYSTERESIS):
+            # the cap follows power alone: a higher set clock applies at once when
+            # power allows, as a clock lock does
+            i = bisect_right(self.table, state.cap_mhz) - 1
+            state.cap_mhz = self.table[min(i + 1, len(self.table) - 1)]
