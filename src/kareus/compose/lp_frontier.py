@@ -40,10 +40,11 @@ Hull = list[tuple[float, float]]
 
 
 def default_targets(costs: PipelineCosts) -> int:
-    """Target times between the fastest and the slowest plan: 120 for small pipelines, 60
-    for the largest (each target costs one slack fill, linear in the pipeline's size)."""
+    """Target times between the fastest and the least-energy plan: 120 for small pipelines,
+    fewer for large ones, never under 24 (each target costs one warm-started LP solve and
+    one slack fill, both growing with the pipeline's size; 58 for 512 instructions)."""
     instructions = 2 * costs.stages * costs.microbatches
-    return max(60, min(120, 120_000 // instructions))
+    return max(24, min(120, 30_000 // instructions))
 
 
 def lower_hull(points: list[tuple[float, float]]) -> Hull:
@@ -62,11 +63,17 @@ def lower_hull(points: list[tuple[float, float]]) -> Hull:
 def lp_choices(options: dict[tuple[int, str], list[InstructionOption]],
                costs: PipelineCosts, fastest_s: float, slowest_s: float,
                targets: int | None = None) -> Iterator[dict[InstructionId, int]]:
-    """Per target time, from fastest to slowest, the choice of option per instruction."""
+    """Per target time, from the least-energy time down to the fastest, the choice of
+    option per instruction. The targets span the fastest time to the time of least total
+    energy (static power included): a slower plan costs more energy and takes longer, so
+    no target goes there."""
     n_targets = targets or default_targets(costs)
     model = _PipelineLp(options, costs)
+    least_s = model.least_energy_time(fastest_s, slowest_s)
+    if least_s is None:
+        return
     # the fastest time too: the least energy at it is not every instruction at its fastest
-    for target_s in np.linspace(fastest_s, slowest_s, n_targets + 1)[:-1]:
+    for target_s in np.linspace(least_s, fastest_s, n_targets):
         durations = model.solve(float(target_s))
         if durations is not None:
             yield model.choice(durations)
@@ -80,6 +87,7 @@ class _PipelineLp:
     (``x_i = t_0 + sum_k y_ik``, ``0 <= y_ik <= t_(k+1) - t_k``, cost ``slope_k`` per
     second): the slopes rise along a convex hull, so a minimum fills the segments in order,
     and the rows are the dependencies alone (bounds are cheap for the simplex, rows not).
+    The iteration time ``T`` is the last column.
     """
 
     def __init__(self, options: dict[tuple[int, str], list[InstructionOption]],
@@ -89,13 +97,16 @@ class _PipelineLp:
         inf = highspy.kHighsInf
         c = costs.shape
         self.ids = c.ids
-        self.times = {k: np.array([o.time_s for o in v]) for k, v in options.items()}
+        keys = sorted(options)
+        key_of = {k: j for j, k in enumerate(keys)}
+        self.key_index = np.array([key_of[(s, d)] for s, _m, d in c.ids])
+        self.times = [np.array([o.time_s for o in options[k]]) for k in keys]
         hulls = {k: lower_hull([(o.time_s, o.dynamic_energy_j) for o in v])
                  for k, v in options.items()}
         n = len(c.ids)
         out_delay = c.out_delays(costs.send_activation_s, costs.send_grad_s)
         rank_end = c.rank_end_s(costs.end_s)
-        # columns: S_i (n), then each instruction's segments
+        # columns: S_i (n), then each instruction's segments, then T
         lo, hi, cost = [0.0] * n, [inf] * n, [0.0] * n
         segs: list[list[int]] = []
         self.t0 = np.empty(n)
@@ -108,27 +119,42 @@ class _PipelineLp:
                 hi.append(t1 - t0)
                 cost.append((e1 - e0) / (t1 - t0))
             segs.append(list(range(first, len(lo))))
-        self.segs = segs
+        self.seg_owner = np.repeat(np.arange(n), [len(g) for g in segs])
+        self.seg_cols = np.arange(n, len(lo))
+        self.t_col = len(lo)
+        lo.append(0.0)
+        hi.append(inf)
+        cost.append(0.0)
         rows: list[tuple[list[int], list[float], float, float]] = []
         for i in range(n):
             for p in c.preds[i]:  # S_i - S_p - sum_k y_pk >= send_p + t0_p
                 rows.append(([i, p, *segs[p]], [1.0, -1.0, *[-1.0] * len(segs[p])],
                              out_delay[p] + self.t0[p], inf))
-        self.end_rows: list[tuple[int, float]] = []
-        for i in range(n):
-            if c.last_on_rank[i]:  # S_l + sum_k y_lk <= T - send_l - end_r - t0_l
-                self.end_rows.append((len(rows),
-                                      out_delay[i] + rank_end[c.rank[i]] + self.t0[i]))
-                rows.append(([i, *segs[i]], [1.0] * (1 + len(segs[i])), -inf, 0.0))
+            if c.last_on_rank[i]:  # S_l + sum_k y_lk - T <= -(send_l + end_r + t0_l)
+                rows.append(([i, *segs[i], self.t_col], [1.0] * (1 + len(segs[i])) + [-1.0],
+                             -inf, -(out_delay[i] + rank_end[c.rank[i]] + self.t0[i])))
         self.h = _highs(np.array(lo), np.array(hi), np.array(cost), rows)
-        self.n = n
+        # the whole energy per rank's GPU: dynamic (the columns) + pp x static power x T
+        self.static_w = costs.pp * costs.static_power_w
+
+    def least_energy_time(self, fastest_s: float, slowest_s: float) -> float | None:
+        """The iteration time of least total energy, between the two ends."""
+        self.h.changeColCost(self.t_col, self.static_w)
+        self.h.changeColBounds(self.t_col, fastest_s, slowest_s)
+        durations = self._run(slowest_s)
+        self.h.changeColCost(self.t_col, 0.0)
+        if durations is None:
+            return None
+        return float(np.clip(self.h.getSolution().col_value[self.t_col], fastest_s, slowest_s))
 
     def solve(self, target_s: float) -> np.ndarray | None:
         """Durations at the least dynamic energy within ``target_s``; None if infeasible."""
+        self.h.changeColBounds(self.t_col, 0.0, target_s)
+        return self._run(target_s)
+
+    def _run(self, target_s: float) -> np.ndarray | None:
         import highspy
 
-        for row, fixed_s in self.end_rows:
-            self.h.changeRowBounds(row, -highspy.kHighsInf, target_s - fixed_s)
         self.h.run()
         status = self.h.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
@@ -136,17 +162,17 @@ class _PipelineLp:
         if status != highspy.HighsModelStatus.kOptimal:
             raise KareusError(f"the pipeline LP (HiGHS) ended with "
                               f"{self.h.modelStatusToString(status)} at {target_s:.4f} s")
-        y = np.asarray(self.h.getSolution().col_value)
-        return self.t0 + np.array([y[k].sum() for k in self.segs])
+        y = np.asarray(self.h.getSolution().col_value)[self.seg_cols]
+        return self.t0 + np.bincount(self.seg_owner, weights=y, minlength=len(self.t0))
 
     def choice(self, durations: np.ndarray) -> dict[InstructionId, int]:
         """Per instruction, its slowest option no slower than its LP duration."""
-        out: dict[InstructionId, int] = {}
-        for iid, x in zip(self.ids, durations, strict=True):
-            times = self.times[(iid[0], iid[2])]
+        pick = np.zeros(len(durations), dtype=int)
+        for j, times in enumerate(self.times):
+            rows = np.flatnonzero(self.key_index == j)
             tol = 1e-9 * max(1.0, float(times[-1]))
-            out[iid] = max(0, int(np.searchsorted(times, x + tol, side="right")) - 1)
-        return out
+            pick[rows] = np.searchsorted(times, durations[rows] + tol, side="right") - 1
+        return dict(zip(self.ids, np.maximum(pick, 0).tolist(), strict=True))
 
 
 def _highs(col_lo: np.ndarray, col_hi: np.ndarray, col_cost: np.ndarray,

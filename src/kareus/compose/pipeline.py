@@ -60,11 +60,12 @@ def evaluate(options: Options, costs: PipelineCosts, choice: dict[InstructionId,
 
 
 def evaluate_filled(options: Options, costs: PipelineCosts,
-                    choice: dict[InstructionId, int]) -> PipelinePoint:
+                    choice: dict[InstructionId, int], exact_rounds: int | None = None
+                    ) -> PipelinePoint:
     """``choice`` with its slack filled (kareus.compose.slack), evaluated."""
     return evaluate(options, costs, fill_slack(
         options, costs.pp, costs.microbatches, costs.send_activation_s, costs.send_grad_s,
-        costs.end_s, choice, costs.vp))
+        costs.end_s, choice, costs.vp, exact_rounds))
 
 
 def uniform(options: Options, costs: PipelineCosts, fastest: bool) -> dict[InstructionId, int]:
@@ -100,7 +101,9 @@ def solve_frontier(options: Options, costs: PipelineCosts, max_steps: int | None
     if all(len(v) == 1 for v in options.values()):
         return _frontier(points)
     choices: Iterator[dict[InstructionId, int]]
+    rounds = None  # Phillips-Dessouky's plans: fill every slack (parity with before)
     if solver == "lp":
+        rounds = 1  # an LP optimum rounded to options: one exact round gets the rest
         from kareus.compose.lp_frontier import lp_choices
 
         choices = lp_choices(options, costs, fastest.time_s, slowest.time_s, max_steps)
@@ -111,7 +114,7 @@ def solve_frontier(options: Options, costs: PipelineCosts, max_steps: int | None
         unit = max(1e-3, (slowest.time_s - fastest.time_s) / steps)
         choices = pd_choices(options, costs, unit)
     for choice in choices:
-        points.append(evaluate_filled(options, costs, choice))
+        points.append(evaluate_filled(options, costs, choice, rounds))
     return _frontier(points)
 
 
