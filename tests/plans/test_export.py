@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kareus.errors import KareusError
+from kareus.errors import KareusError, SpecError
 from kareus.plans.execution import ExecutionPlan
 from kareus.plans.export import export_plan, zeus_schedule
 from kareus.plans.plan import Plan
@@ -34,6 +34,15 @@ def test_json_export_round_trips(tmp_path):
     export_plan(_plan(), JOB, "json", out)
     again = Plan.from_dict(json.loads(out.read_text()))
     assert again.execution == _plan().execution
+
+
+def test_zeus_refuses_an_interleaved_plan_and_json_carries_it(tmp_path):
+    job = {**JOB, "virtual_pipeline": 2}
+    with pytest.raises(SpecError, match=r"plain 1F1B.*--format json"):
+        export_plan(_plan(), job, "zeus", tmp_path / "z.py")
+    assert not (tmp_path / "z.py").exists()
+    export_plan(_plan(), job, "json", tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["job"]["virtual_pipeline"] == 2
 
 
 def test_unknown_format(tmp_path):

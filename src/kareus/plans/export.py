@@ -5,7 +5,9 @@ Zeus's pipeline frequency optimizer server runs a precomputed solution with its
 rank its pipeline stage's schedule). That scheduler reads a Python literal: one list per
 pipeline stage of ("forward" | "backward", MHz) pairs in the stage's execution order. We
 write that literal with `repr` of plain lists, tuples, strings and ints; Kareus itself
-never evaluates files.
+never evaluates files. That scheduler runs plain 1F1B, one model chunk per stage: a plan of
+an interleaved pipeline (``virtual_pipeline > 1``) is refused; its JSON export (whose job
+carries ``virtual_pipeline``) runs it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 from pathlib import Path
 
 from kareus.core.atomic import write_text_atomic
-from kareus.errors import KareusError
+from kareus.errors import KareusError, SpecError
 from kareus.plans.plan import Plan
 from kareus.plans.schedule import one_f_one_b
 
@@ -37,8 +39,13 @@ def export_plan(plan: Plan, job: dict, fmt: str, out: str | Path) -> None:
         return
     try:
         pp, mbs = int(job["pp"]), int(job["num_microbatches"])
+        vp = int(job.get("virtual_pipeline", 1))
     except (KeyError, TypeError, ValueError):
         raise KareusError("the plan's job lacks pp / num_microbatches") from None
+    if vp > 1:
+        raise SpecError(f"Zeus's PointSolution scheduler runs plain 1F1B, one model chunk "
+                        f"per stage; this plan interleaves {vp} chunks per rank "
+                        f"(virtual_pipeline {vp}): export it with --format json")
     schedule = zeus_schedule(plan, pp, mbs)
     _write(path,
            "# Kareus plan " + plan.id + ": per pipeline stage, (instruction, SM clock in MHz)\n"
