@@ -1,5 +1,5 @@
 from kareus.plans.execution import ExecutionPlan
-from kareus.plans.schedule import one_f_one_b
+from kareus.plans.schedule import one_f_one_b, rank_order
 from kareus.runtime.frequency_controller import FrequencyController
 
 
@@ -19,6 +19,30 @@ def test_dry_run_logs_the_plans_clocks_in_1f1b_order(tmp_path):
         got = [tuple(line.split()) for line in log.read_text().splitlines()]
         want = [(d, str(m), str(plan.freq(stage, m, d))) for m, d in one_f_one_b(2, 6, stage)]
         assert got == want
+
+
+def test_interleaved_ranks_follow_their_chunks_clocks(tmp_path):
+    # 2 ranks x 2 chunks: virtual stages 0..3, rank 1 runs 1 and 3
+    plan = _plan(pp=4, mbs=4)
+    order = rank_order(2, 4, 1, 2)
+    log = tmp_path / "rank1.log"
+    with FrequencyController(plan, 1, dry_run=True, log_path=log, pp=2) as ctl:
+        for s, m, d in order:
+            (ctl.before_forward if d == "forward" else ctl.before_backward)(m, s // 2)
+    got = [tuple(line.split()) for line in log.read_text().splitlines()]
+    assert got == [(d, str(m), str(plan.freq(s, m, d))) for s, m, d in order]
+    assert {s for s, _m, _d in order} == {1, 3}
+
+
+def test_a_chunk_without_pp_is_refused(tmp_path):
+    import pytest
+
+    from kareus.errors import KareusError
+
+    ctl = FrequencyController(_plan(), 0, dry_run=True, log_path=tmp_path / "x.log")
+    with pytest.raises(KareusError, match="give the FrequencyController its pp"):
+        ctl.before_forward(0, 1)
+    ctl.stop()
 
 
 def test_controller_starts_lazily_and_stops_twice_safely(tmp_path):

@@ -1,12 +1,14 @@
 """Apply a plan's clock per pipeline instruction, from a separate process.
 
 The training process calls `before_forward(microbatch)` / `before_backward(microbatch)`
-(or uses the controller as a context manager); each call only puts the wanted clock on a
-queue, so training never blocks on NVML. A child process applies it: in dry-run mode it
-only logs what it would set (one line per instruction: direction, microbatch, MHz); for
-real it locks the SM clock through the clock guard, which resets the clocks when the
-controller stops, when the child is interrupted or terminated, and when the training
-process dies (the child notices its parent is gone and exits through the guard).
+(or uses the controller as a context manager; with interleaved 1F1B it also names the
+model chunk, `before_forward(microbatch, chunk)`, and the controller was given ``pp``);
+each call only puts the wanted clock on a queue, so training never blocks on NVML. A
+child process applies it: in dry-run mode it only logs what it would set (one line per
+instruction: direction, microbatch, MHz); for real it locks the SM clock through the
+clock guard, which resets the clocks when the controller stops, when the child is
+interrupted or terminated, and when the training process dies (the child notices its
+parent is gone and exits through the guard).
 """
 
 from __future__ import annotations
@@ -62,10 +64,16 @@ def _loop(q: Queue[Message], apply: Callable[[int], Any], log: IO[str] | None,
 
 
 class FrequencyController:
+    """The clocks of pipeline rank ``stage``. With interleaved 1F1B the rank runs several
+    model chunks: give ``pp``, and each instruction's chunk; its plan entry is virtual
+    stage ``chunk x pp + stage`` (kareus.plans.schedule.rank_order)."""
+
     def __init__(self, plan: ExecutionPlan, stage: int, gpu_index: int = 0,
-                 dry_run: bool = True, log_path: str | Path | None = None) -> None:
+                 dry_run: bool = True, log_path: str | Path | None = None, pp: int = 1
+                 ) -> None:
         self.plan = plan
         self.stage = stage
+        self.pp = pp
         self.gpu_index = gpu_index
         self.dry_run = dry_run
         self.log_path = str(log_path) if log_path else None
@@ -104,7 +112,10 @@ class FrequencyController:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _send(self, direction: str, microbatch: int) -> None:
+    def _send(self, direction: str, microbatch: int, chunk: int) -> None:
+        if chunk and self.pp < 2:  # an interleaved pipeline has pp >= 2 (JobSpec)
+            raise KareusError(f"model chunk {chunk} of an interleaved pipeline: give the "
+                              f"FrequencyController its pp")
         if self._proc is None:
             self.start()
         elif not self._proc.is_alive():
@@ -112,15 +123,15 @@ class FrequencyController:
             self._proc = None
             raise KareusError(f"the frequency controller died (status {code}); clocks are "
                               f"not following the plan")
-        mhz = self.plan.freq(self.stage, microbatch, direction)
+        mhz = self.plan.freq(self.stage + chunk * self.pp, microbatch, direction)
         self._queue().put((direction, microbatch, mhz))
 
     def _queue(self) -> Queue[Message]:
         assert self._q is not None, "the controller has not started"
         return self._q
 
-    def before_forward(self, microbatch: int) -> None:
-        self._send("forward", microbatch)
+    def before_forward(self, microbatch: int, chunk: int = 0) -> None:
+        self._send("forward", microbatch, chunk)
 
-    def before_backward(self, microbatch: int) -> None:
-        self._send("backward", microbatch)
+    def before_backward(self, microbatch: int, chunk: int = 0) -> None:
+        self._send("backward", microbatch, chunk)

@@ -252,9 +252,13 @@ def test_a_schedule_out_of_the_plan_s_order_fails_at_once(driven):
 def test_jobs_the_layer_cannot_run_are_refused_in_one_line():
     from kareus.integrations.megatron.plan import MegatronPlan
 
-    for extra, what in (({"sequence_parallel": True}, "sequence parallelism"),
-                        ({"cp": 2, "gpus_per_node": 8}, "context parallelism")):
-        job = build_job(overrides={**JOB.model_dump(), **extra})
+    base = JOB.model_dump()
+    chunks = {**{k: v for k, v in base.items() if k != "layers_per_stage"},
+              "model": {**base["model"], "num_layers": 4}, "virtual_pipeline": 2}
+    for fields, what in (({**base, "sequence_parallel": True}, "sequence parallelism"),
+                         ({**base, "cp": 2, "gpus_per_node": 8}, "context parallelism"),
+                         (chunks, "interleaved 1F1B (virtual_pipeline 2)")):
+        job = build_job(overrides=fields)
         with pytest.raises(SpecError) as info:
             MegatronPlan(_plan(), job, 0)
         assert what in str(info.value) and "\n" not in str(info.value)

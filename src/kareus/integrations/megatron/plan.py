@@ -61,14 +61,18 @@ def stage_order(plan: Plan, pp: int, microbatches: int, stage: int) -> list[Inst
 
 def check_job(job: JobSpec) -> None:
     """What a plan can run inside Megatron-Core: TP without sequence or context
-    parallelism (kareus.integrations.megatron.layer.SUPPORTED)."""
+    parallelism (kareus.integrations.megatron.layer.SUPPORTED), on plain 1F1B (the plan
+    follows one model chunk per stage, not the interleaved schedule's chunks)."""
     problems = [what for what, hit in (("sequence parallelism", job.sequence_parallel),
-                                       ("context parallelism", job.cp > 1)) if hit]
+                                       ("context parallelism", job.cp > 1),
+                                       (f"interleaved 1F1B (virtual_pipeline "
+                                        f"{job.virtual_pipeline})", job.virtual_pipeline > 1))
+                if hit]
     if problems:
         raise SpecError(f"the plan's job uses {' and '.join(problems)}, which the Kareus "
                         f"layer for Megatron-Core does not run; supported: tensor "
-                        f"parallelism without sequence parallelism, on Megatron-Core's "
-                        f"local modules")
+                        f"parallelism without sequence parallelism, plain 1F1B, on "
+                        f"Megatron-Core's local modules")
 
 
 class MegatronPlan:
