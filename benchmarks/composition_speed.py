@@ -1,57 +1,131 @@
-"""Composition and pipeline-solve time: instruction options + Phillips-Dessouky (lowtime),
-for kareus-1 and for Llama 3.3 70B on 64 H100 (TP8, PP8, 32 microbatches).
+"""Planning at cluster scale: the whole `kareus optimize` run per phase, and the pipeline
+LP's frontier against Phillips-Dessouky's.
 
-Partition frontiers come from a quick search (mbo, budget 40, no noise) done once; the
-timed part is what `kareus optimize` does after the search, per method. Medians of
---repeats runs, each with fresh caches.
+1. Speed (default): for kareus-1, the 70B preset (64 H100, PP8), the 1,024-GPU job (TP8
+   PP16 DP8, 64 microbatches) and the same with interleaved 1F1B (VP=2), each run in a
+   fresh process: wall time per phase (search, compose, validate, write the result) and
+   the process's peak RSS. Medians of --repeats runs.
+2. Equivalence (--equivalence): per method, the LP frontier's energy at every time over
+   the common time range against the frontier lowtime's Phillips-Dessouky gives (today's
+   solver before the LP), from the same searched partition frontiers (mbo, budget 40), on
+   kareus-1, kareus-2 and the 70B preset; and each solver's compose time. PD takes minutes
+   on the 70B preset.
 
-    python benchmarks/composition_speed.py [--repeats 3]
+    python benchmarks/composition_speed.py [--repeats 3] [--equivalence]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
-from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.journaled import JournaledBackend
-from kareus.compose.options import Composer, key_frontiers
-from kareus.compose.pipeline import solve_frontier
-from kareus.job.sources import build_job
-from kareus.plans.methods import get_method
-from kareus.search import SearchConfig, run_search
-from kareus.workload.workload import Workload
+import numpy as np
+
+JOBS = {
+    "kareus-1": ["kareus-1", "1"],
+    "70B PP8": ["llama3.3-70b-64gpu", "1"],
+    "1,024 GPUs": ["llama3.3-70b-1024gpu", "1"],
+    "1,024 GPUs VP2": ["llama3.3-70b-1024gpu", "2"],
+}
+"""Name: (preset, virtual pipeline size)."""
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    for preset in ("kareus-1", "llama3.3-70b-64gpu"):
+def one_run(args: list[str]) -> None:
+    """In this process: one optimize; print its phases and peak RSS as JSON."""
+    from kareus.job.sources import build_job
+    from kareus.search.loop import SearchConfig
+    from kareus.workflows.optimize import optimize
+
+    job = build_job(args[0], overrides={"virtual_pipeline": int(args[1])})
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        result = optimize(job, f"{out}/r", SearchConfig(budget=100, seed=0))
+        total = time.perf_counter() - t0
+    assert result is not None
+    phases = dict(result.timings_s)
+    phases["write"] = total - sum(phases.values())
+    simulated, plans = result.validated_plans()
+    print(json.dumps({"total_s": total, "phases_s": phases, "plans": plans,
+                      "simulated": simulated, "validation": result.validation_max_error,
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def speed(repeats: int) -> None:
+    for name, args in JOBS.items():
+        runs = []
+        for _ in range(repeats):
+            done = subprocess.run([sys.executable, __file__, "--one", *args],
+                                  capture_output=True, text=True, check=True)
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        med = {k: statistics.median(r["phases_s"].get(k, 0.0) for r in runs)
+               for k in runs[0]["phases_s"]}
+        total = statistics.median(r["total_s"] for r in runs)
+        rss = max(r["peak_rss_mb"] for r in runs)
+        last = runs[-1]
+        print(f"{name}: total {total:.1f} s (" + ", ".join(
+            f"{k} {v:.1f}" for k, v in med.items()) + f"), peak RSS {rss:.0f} MB; "
+            f"{last['plans']} plans, {last['simulated']} simulated, validation within "
+            f"{last['validation'] * 100:.2f}% (medians of {repeats})", flush=True)
+
+
+def equivalence() -> None:
+    from kareus.backends.emulator import EmulatorBackend
+    from kareus.backends.journaled import JournaledBackend
+    from kareus.compose.options import Composer, key_frontiers
+    from kareus.compose.pipeline import solve_frontier
+    from kareus.job.sources import build_job
+    from kareus.plans.methods import get_method
+    from kareus.search import SearchConfig, run_search
+    from kareus.workload.workload import Workload
+
+    for preset in ("kareus-1", "kareus-2", "llama3.3-70b-64gpu"):
         job = build_job(preset)
         ps = Workload.build(job).partitions
         b = EmulatorBackend(job)
         fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
             ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
-            SearchConfig(budget=40)).samples] for k in ps.keys})
-        for method in ("perseus", "kareus"):
-            compose_t, solve_t, n = [], [], 0
-            for _ in range(args.repeats):
+            SearchConfig(budget=40, seed=0)).samples] for k in ps.keys})
+        comp = Composer(ps, b, job.freqs_mhz)
+        costs = comp.pipeline_costs()
+        for method in ("perseus", "nanobatch_perseus", "kareus"):
+            options = comp.options(get_method(method), fronts)
+            solved, took = {}, {}
+            for solver in ("phillips-dessouky", "lp"):
                 t0 = time.perf_counter()
-                comp = Composer(ps, EmulatorBackend(job), job.freqs_mhz)
-                options = comp.options(get_method(method), fronts)
-                costs = comp.pipeline_costs()
-                t1 = time.perf_counter()
-                points = solve_frontier(options, costs)
-                t2 = time.perf_counter()
-                compose_t.append(t1 - t0)
-                solve_t.append(t2 - t1)
-                n = len(points)
-            c, s = statistics.median(compose_t), statistics.median(solve_t)
-            print(f"{preset} ({job.num_gpus} GPUs, PP{job.pp}, {job.num_microbatches} "
-                  f"microbatches) {method}: compose {c:.2f} s, solve {s:.2f} s, total "
-                  f"{c + s:.2f} s (median of {args.repeats}); {n} frontier plans")
+                solved[solver] = solve_frontier(options, costs, solver=solver)
+                took[solver] = time.perf_counter() - t0
+            lp, pd = solved["lp"], solved["phillips-dessouky"]
+            hi = min(lp[-1].time_s, pd[-1].time_s)
+            times = np.linspace(lp[0].time_s, hi, 400)
+
+            def energy(front, ts=times):
+                return np.interp(ts, [p.time_s for p in front], [p.energy_j for p in front])
+
+            ratio = energy(lp) / energy(pd) - 1
+            print(f"{preset} {method}: LP vs PD energy at equal time {ratio.min():+.2%} .. "
+                  f"{ratio.max():+.2%} over {lp[0].time_s:.3f}-{hi:.3f} s; "
+                  f"{len(lp)} vs {len(pd)} plans; solve {took['lp']:.1f} s vs "
+                  f"{took['phillips-dessouky']:.1f} s", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        one_run(sys.argv[2:])
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--equivalence", action="store_true")
+    args = ap.parse_args()
+    if args.equivalence:
+        equivalence()
+    else:
+        speed(args.repeats)
 
 
 if __name__ == "__main__":

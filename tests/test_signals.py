@@ -137,9 +137,9 @@ def _hook_env(tmp_path: Path, phase: str) -> dict[str, str]:
                     self.runs += 1
                     return self.simulator.run(execution)
 
-            def held_plans(methods, solved, f_max, simulator, costs):
+            def held_plans(methods, solved, f_max, simulator, *rest):
                 assert simulator is not None
-                return plans(methods, solved, f_max, Held(simulator), costs)
+                return plans(methods, solved, f_max, Held(simulator), *rest)
             optimize._plans = held_plans
         elif PHASE == "write":  # the plans are written beside the directory
             import kareus.results.report as report

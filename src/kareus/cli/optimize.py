@@ -41,6 +41,13 @@ def optimize(
         "--fill-missing", help="With --measurements: take what the journal lacks from the "
                                "emulator (result.json and report.md list those numbers).")
                             ] = None,
+    pipeline_solver: Annotated[str, typer.Option(
+        "--pipeline-solver", help="lp (HiGHS at target times) or phillips-dessouky "
+                                  "(lowtime, as Perseus; slower on large pipelines).")] = "lp",
+    validate_plans: Annotated[Optional[int], typer.Option(
+        "--validate-plans", help="Emulator: plans per method simulated as whole iterations "
+                                 "(fastest, least-energy, evenly between; default: all on "
+                                 "small pipelines, 2 or 1 on large ones).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Search every partition, compose the iteration frontiers of every method, write
@@ -50,7 +57,8 @@ def optimize(
     first (as `kareus profile`), then compose from those measurements."""
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
     run = prepare_optimize(Workload.build(job), out, config, backend, executor, force=force,
-                           fill_missing=fill_missing)
+                           fill_missing=fill_missing, solver=pipeline_solver,
+                           validate_plans=validate_plans)
     if run.left_out_line and not run.measures_only:
         (stderr_console() if json_out else console).print(
             run.left_out_line, soft_wrap=True, markup=False, highlight=False)
@@ -90,8 +98,10 @@ def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
                           f"; {len(filled)} numbers from the {result.sources['filled_from']}"
                           if filled else "; every number measured"))
     err = result.validation_max_error
+    simulated, total = result.validated_plans()
     check = ("not validated (no cost model for this backend)" if err is None
-             else f"predicted vs simulated within {err * 100:.2f}%")
+             else f"predicted vs simulated within {err * 100:.2f}% ({simulated} of {total} "
+                  f"plans simulated)")
     console.print(f"validation: {check}; wrote {out}/result.json, plans/, frontier.png, "
                   f"report.md")
 

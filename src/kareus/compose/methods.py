@@ -5,25 +5,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kareus.compose.options import Composer, KeyFrontiers
-from kareus.compose.pipeline import PipelinePoint, merge_frontiers, solve_frontier
+from kareus.compose.pipeline import PipelinePoint, Solver, merge_frontiers, solve_frontier
 from kareus.plans.methods import Method
 
 
 def method_frontiers(composer: Composer, methods: Sequence[Method],
                      fronts: KeyFrontiers | None,
-                     say: Callable[[str], None] | None = None
+                     say: Callable[[str], None] | None = None, solver: Solver = "lp"
                      ) -> dict[str, list[PipelinePoint]]:
-    """Per method (in order), its frontier of pipeline plans."""
+    """Per method (in order), its frontier of pipeline plans (``solver``: see
+    `solve_frontier`)."""
     costs = composer.pipeline_costs()
     solved: dict[str, list[PipelinePoint]] = {}
     for method in methods:
         if say is not None:
             say(f"composing {method.name}")
-        points = solve_frontier(composer.options(method, fronts), costs)
+        points = solve_frontier(composer.options(method, fronts), costs, solver=solver)
         merged = [solved[m] for m in method.merges if m in solved]
         if merged:
-            # Phillips-Dessouky follows one path through a non-convex space; the plans
-            # solved in a contained sub-space are this method's plans too: keep the best
+            # the solve is exact only on the options' convex hulls (rounded to options, and
+            # its slack filled); the plans solved in a contained sub-space are this
+            # method's plans too: keep the best
             points = merge_frontiers(points, *merged)
         solved[method.name] = points
     return solved

@@ -7,7 +7,7 @@ the emulator's whole-iteration simulation of it (validation).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kareus import SCHEMA_VERSION
@@ -44,7 +44,10 @@ class TimelineEntry:
     """On the critical path: any delay lengthens the iteration."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # by hand: dataclasses.asdict deep-copies, and a large job writes ~10^5 entries
+        return {"stage": self.stage, "microbatch": self.microbatch, "kind": self.kind,
+                "start_s": self.start_s, "time_s": self.time_s, "freq_mhz": self.freq_mhz,
+                "critical": self.critical}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> TimelineEntry:

@@ -85,7 +85,7 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
               f"![least-energy {shown} plan](timeline-min-energy.png)", "",
               "## Metrics (as the Kareus paper defines them)", "", *metrics_table(
                   result.metrics), "", *_METRICS_IN_WORDS, "",
-              _validation_line(result.validation_max_error), "",
+              _validation_line(result.validation_max_error, *result.validated_plans()), "",
               *_validation_table(result.validation())]
     seq = [p for p in result.plans.get("kareus", []) if p.execution.sequential]
     if seq:
@@ -161,11 +161,15 @@ def _validation_table(per_method: dict[str, dict[str, float]]) -> list[str]:
     return [*lines, ""]
 
 
-def _validation_line(error: float | None) -> str:
+def _validation_line(error: float | None, simulated: int, plans: int) -> str:
     if error is None:
         return ("The plans were not simulated: no cost model describes the backend that "
                 "measured them.")
-    return (f"Every plan was simulated by the emulator as one whole iteration: each "
+    which = ("Every plan was" if simulated == plans else
+             f"{simulated} of the {plans} plans (a stratified sample of each method's "
+             f"frontier: its fastest, its least-energy, evenly between; `kareus optimize "
+             f"--validate-plans N` sets how many) were")
+    return (f"{which} simulated by the emulator as one whole iteration: each "
             f"instruction one continuous timeline, the power limiter's state carried across "
             f"partitions, instructions and clock changes (it does not add up the partition "
             f"measurements composition used). The largest relative difference between "

@@ -40,6 +40,14 @@ class OptimizeResult:
     unless the user opted in with --fill-missing). None: searched by this run."""
     left_out: dict[str, str] = field(default_factory=dict)
     """Methods that could not run the job, and why (`kareus.plans.methods.left_out_reasons`)."""
+    validation_per_method: int | None = None
+    """At most this many plans of each method were simulated (a stratified sample: the
+    fastest, the least-energy, evenly between); None where no plan was."""
+
+    def validated_plans(self) -> tuple[int, int]:
+        """(plans simulated, plans) over every method."""
+        plans = [p for ps in self.plans.values() for p in ps]
+        return sum(p.simulated_time_s is not None for p in plans), len(plans)
 
     @property
     def job_id(self) -> str:
@@ -94,6 +102,8 @@ class OptimizeResult:
             "left_out": self.left_out,
             "validation_max_rel_error": self.validation_max_error,
             "validation": self.validation(),
+            "validated_plans": dict(zip(("simulated", "of"), self.validated_plans(),
+                                        strict=True)),
             "measurements": self.sources,
             "searches": [{k: getattr(s, k) for k in _SEARCH_FIELDS}
                          | {"samples": len(s.samples), "frontier": len(s.frontier)}

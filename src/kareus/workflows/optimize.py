@@ -31,7 +31,7 @@ from kareus.backends.registry import (
 from kareus.backends.replay import open_replay
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
-from kareus.compose.pipeline import PipelineCosts, PipelinePoint
+from kareus.compose.pipeline import SOLVERS, PipelineCosts, PipelinePoint, Solver
 from kareus.compose.plans import timeline, to_execution_plan
 from kareus.core.lock import Lock
 from kareus.errors import SpecError
@@ -77,6 +77,11 @@ class OptimizeRun:
     the inputs were checked, and composes now (it is not built twice)."""
     timings: dict[str, float] = field(default_factory=dict)
     force: bool = False
+    solver: Solver = "lp"
+    """The pipeline solver (kareus.compose.pipeline.solve_frontier)."""
+    validate_plans: int | None = None
+    """Per method, how many frontier plans the emulator simulates (a stratified sample,
+    `validation_sample`); None: `default_validation_sample` of the pipeline's size."""
     lock: Lock | None = None
     """The result directory's lock, taken by `prepare_optimize` once every input was
     checked, released when `run` ends (None on a rank that only measures)."""
@@ -129,14 +134,18 @@ class OptimizeRun:
             searches, composer, solved = self._search_and_compose(rd, progress, say)
             simulator = self.backend.plan_simulator(self.workload)
         t0 = time.perf_counter()
-        plans, worst = _plans(self.methods, solved, composer.f_max, simulator,
-                              composer.pipeline_costs())
+        costs = composer.pipeline_costs()
+        per_method = (self.validate_plans if self.validate_plans is not None
+                      else default_validation_sample(costs))
+        plans, worst = _plans(self.methods, solved, composer.f_max, simulator, costs,
+                              per_method)
         self.timings["validate"] = time.perf_counter() - t0
         metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v]
                                   for m, v in plans.items()})
         result = OptimizeResult(self.workload.job, plans, searches, metrics, worst,
                                 self.timings, sources=sources,
-                                left_out=left_out_reasons(self.left_out, self.workload.job))
+                                left_out=left_out_reasons(self.left_out, self.workload.job),
+                                validation_per_method=None if simulator is None else per_method)
         result.run_id = result.content_id()
         rd.write(result)
         return result
@@ -157,7 +166,7 @@ class OptimizeRun:
         with self.backend.open(wl) as measuring, Journal(rd.journal) as journal:
             b = JournaledBackend(measuring, journal, journal.register_job(wl.job))
             composer = Composer(wl.partitions, b, wl.job.freqs_mhz)
-            solved = method_frontiers(composer, self.methods, fronts, say)
+            solved = method_frontiers(composer, self.methods, fronts, say, self.solver)
             composer.pipeline_costs()  # answered already: nothing is measured after this
         self.timings["compose"] = time.perf_counter() - t0
         return searches, composer, solved
@@ -176,7 +185,7 @@ class OptimizeRun:
             fronts = key_frontiers(journaled)
             say(f"composing from {journal} ({replay.identity()})")
             searches = [SearchResult.from_journal(k, v) for k, v in journaled.items()]
-            solved = method_frontiers(composer, self.methods, fronts, say)
+            solved = method_frontiers(composer, self.methods, fronts, say, self.solver)
             composer.pipeline_costs()
         self.timings["compose"] = time.perf_counter() - t0
         sources = {"measurements": journal, "backend": replay.identity(),
@@ -209,7 +218,8 @@ def _refuse_missing(journal: str, composer: Composer, methods: Sequence[Method])
 def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
                      backend: BackendSpec | None = None, executor: ExecutorSpec | None = None,
                      methods: Sequence[str] | None = None, force: bool = False,
-                     measurements: str | None = None, fill_missing: str | None = None
+                     measurements: str | None = None, fill_missing: str | None = None,
+                     solver: str = "lp", validate_plans: int | None = None
                      ) -> OptimizeRun:
     """Everything that can fail on bad input, checked once, before any work starts.
     ``force``: replace the result of another job in ``out_dir`` (its measurements stay in
@@ -230,7 +240,13 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
         raise SpecError(f"no method to run: {left_out_line(left_out, workload.job)}")
     if measurements is not None:
         spec = replay_spec(measurements, compose_only=True)
-    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, left_out, force=force)
+    if solver not in SOLVERS:
+        raise SpecError(f"--pipeline-solver takes {' or '.join(SOLVERS)}, got {solver!r}")
+    if validate_plans is not None and validate_plans < 0:
+        raise SpecError(f"--validate-plans takes 0 or more plans per method, got "
+                        f"{validate_plans}")
+    run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, left_out, force=force,
+                      solver=solver, validate_plans=validate_plans)
     if run.measures_only:
         check_profile(workload, spec, config)
         return run
@@ -280,20 +296,45 @@ def optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
                             measurements, fill_missing).run(progress, stage)
 
 
+def default_validation_sample(costs: PipelineCosts) -> int:
+    """Plans per method the emulator simulates by default: every plan of a small pipeline
+    (up to 128 instructions, e.g. the paper's jobs), 2 (the fastest and the least-energy)
+    from 512 instructions on, 1 (the fastest) from 2,048: a whole-iteration simulation
+    grows with the pipeline, and validation should cost well under the composition."""
+    instructions = 2 * costs.stages * costs.microbatches
+    if instructions <= 128:
+        return 1 << 30
+    return max(1, 1024 // instructions)
+
+
+def validation_sample(plans: int, per_method: int) -> list[int]:
+    """Which of a frontier's ``plans`` (fastest first) to simulate: a stratified sample of
+    ``per_method``: the fastest, then the least-energy, then evenly between."""
+    if per_method >= plans:
+        return list(range(plans))
+    if per_method <= 0:
+        return []
+    if per_method == 1:
+        return [0]
+    return sorted({round(i * (plans - 1) / (per_method - 1)) for i in range(per_method)})
+
+
 def _plans(methods: Sequence[Method], solved: Solved, f_max: int,
-           simulator: PlanSimulator | None, costs: PipelineCosts
-           ) -> tuple[dict[str, list[Plan]], float | None]:
-    """Each frontier point as a Plan, simulated as one whole iteration where a simulator is
+           simulator: PlanSimulator | None, costs: PipelineCosts,
+           per_method: int = 1 << 30) -> tuple[dict[str, list[Plan]], float | None]:
+    """Each frontier point as a Plan; a stratified sample of ``per_method`` plans of each
+    method (`validation_sample`) simulated as one whole iteration where a simulator is
     given; the largest relative error between composed and simulated time or energy."""
     plans: dict[str, list[Plan]] = {}
     worst: float | None = None if simulator is None else 0.0
     for method in methods:
         plans[method.name] = []
+        sample = set(validation_sample(len(solved[method.name]), per_method))
         for i, pt in enumerate(solved[method.name]):
             execution = to_execution_plan(f"{method.name}-{i:03d}", pt.picks, f_max,
                                           method.overlap)
             sim_t = sim_e = None
-            if simulator is not None and worst is not None:
+            if simulator is not None and worst is not None and i in sample:
                 r = simulator.run(execution)
                 sim_t, sim_e = r.time_s, r.energy_j
                 worst = max(worst, abs(sim_t / pt.time_s - 1), abs(sim_e / pt.energy_j - 1))

@@ -1,0 +1,83 @@
+"""The pipeline LP (kareus.compose.lp_frontier) against Phillips-Dessouky (lowtime), the
+solver it replaced: the same frontier or a better one, every plan feasible.
+
+The figures on the full presets (kareus-1, kareus-2, the 70B preset, every method) are in
+benchmarks/composition_speed.py (PD alone takes minutes on the 70B job); here the
+methods that need no search, on the paper's two jobs."""
+
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kareus.backends.emulator import EmulatorBackend
+from kareus.compose.instruction import InstructionOption
+from kareus.compose.lp_frontier import lower_hull
+from kareus.compose.options import Composer
+from kareus.compose.pipeline import PipelineCosts, solve_frontier
+from kareus.job.sources import build_job
+from kareus.plans.methods import get_method
+from kareus.plans.schedule import schedule
+from kareus.workload.workload import Workload
+
+CASES = [("kareus-1", "perseus"), ("kareus-1", "nanobatch_perseus"),
+         ("kareus-2", "perseus")]
+
+
+def _energy_at(front, times_s):
+    return np.interp(times_s, [p.time_s for p in front], [p.energy_j for p in front])
+
+
+@pytest.mark.parametrize(("preset", "method"), CASES, ids=["-".join(c) for c in CASES])
+def test_lp_frontier_matches_or_beats_phillips_dessouky(preset, method):
+    job = build_job(preset)
+    comp = Composer(Workload.build(job).partitions, EmulatorBackend(job), job.freqs_mhz)
+    options, costs = comp.options(get_method(method)), comp.pipeline_costs()
+    lp = solve_frontier(options, costs, solver="lp")
+    pd = solve_frontier(options, costs, solver="phillips-dessouky")
+    assert lp[0].time_s == pytest.approx(pd[0].time_s, rel=1e-9)  # the same fastest plan
+    lo, hi = lp[0].time_s, min(lp[-1].time_s, pd[-1].time_s)
+    times = np.linspace(lo, hi, 200)
+    ratio = _energy_at(lp, times) / _energy_at(pd, times)
+    assert ratio.max() <= 1.005, f"LP worse by {ratio.max() - 1:.3%} at some time"
+    assert len(lp) >= 20
+    for p in lp:  # feasible: the schedule's own loop gives the same time
+        t = schedule(costs.pp, costs.microbatches, lambda iid, p=p: p.picks[iid].time_s,
+                     costs.send_activation_s, costs.send_grad_s, costs.end_s,
+                     duration_at=lambda iid, _start, p=p: p.picks[iid].time_s, vp=costs.vp)
+        assert t.iteration_s == pytest.approx(p.time_s, rel=1e-12)
+
+
+def test_lp_reaches_the_hand_solved_optimum():
+    # 1 stage, 1 microbatch, no transfers: forward then backward in series. The forward's
+    # options (1 s, 10 J), (2 s, 4 J); the backward's (1 s, 10 J), (3 s, 4 J). At 3 s the
+    # least dynamic energy is forward slow + backward fast (4 + 10 = 14 J, slope 6 J/s
+    # beats the backward's 3 J/s); at 5 s both slow (8 J).
+    def opts(t_slow):
+        return [InstructionOption(1.0, 10.0, 1410), InstructionOption(t_slow, 4.0, 900)]
+
+    options = {(0, "forward"): opts(2.0), (0, "backward"): opts(3.0)}
+    costs = PipelineCosts(1, 1, gpus=1, static_power_w=0.0, send_activation_s=(0.0,),
+                          send_grad_s=(0.0,), end_s=(0.0,), fixed_dynamic_j=(0.0,))
+    front = solve_frontier(options, costs, solver="lp")
+    got = {round(p.time_s, 9): p.dynamic_energy_j for p in front}
+    assert got == {2.0: 20.0, 3.0: 14.0, 5.0: 8.0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 10.0), st.floats(0.1, 100.0)), min_size=1,
+                max_size=30))
+def test_lower_hull_is_convex_and_below_every_point(points):
+    hull = lower_hull(points)
+    xs = [h[0] for h in hull]
+    assert xs == sorted(set(xs))
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(hull)]
+    assert all(s2 >= s1 - 1e-9 for s1, s2 in itertools.pairwise(slopes))
+    assert all(s <= 1e-12 for s in slopes)  # it stops at the least energy
+    for x, y in points:
+        if xs[0] <= x <= xs[-1]:
+            assert np.interp(x, xs, [h[1] for h in hull]) <= y + 1e-9 * max(1.0, y)
+    assert min(h[1] for h in hull) == pytest.approx(min(y for _x, y in points))
