@@ -46,7 +46,7 @@ def optimize(
                                   "(lowtime, as Perseus; slower on large pipelines).")] = "lp",
     validate_plans: Annotated[Optional[int], typer.Option(
         "--validate-plans", help="Emulator: plans per method simulated as whole iterations "
-                                 "(fastest, least-energy, evenly between; default: all on "
+                                 "(fastest, least-energy, evenly between; default: 12 on "
                                  "small pipelines, 2 or 1 on large ones).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
