@@ -134,6 +134,8 @@ def backend_info(backend: Backend) -> dict[str, object]:
     pr = backend.protocol
     return {"name": backend.name, "gpu": backend.gpu.name,
             "static_power_w": backend.static_power_w, "default_sms": backend.default_sms,
+            # whether it answers wait transients (kareus.backends.needs.TransientRun)
+            "transients": hasattr(backend, "measure_transient"),
             "protocol": {"window_s": pr.window_s, "cooldown_s": pr.cooldown_s,
                          "settle_s": pr.settle_s}}
 

@@ -22,7 +22,13 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from kareus.backends.base import Backend, JournalFirst, WrappedBackend, backend_info
-from kareus.backends.needs import Answer, Need, measure_need
+from kareus.backends.needs import (
+    Answer,
+    Need,
+    TransientRun,
+    TransientUnmeasurable,
+    measure_need,
+)
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.hardware import GPUSpec
@@ -159,6 +165,7 @@ class JournalOnly:
         self.static_power_w = float(info["static_power_w"])  # type: ignore[arg-type]
         self.default_sms = int(info["default_sms"])  # type: ignore[call-overload]
         pr = info.get("protocol") or {}
+        self._transients = bool(info.get("transients", False))
         self.protocol = MeasurementProtocol(**pr)  # type: ignore[arg-type]
 
     @property
@@ -181,3 +188,16 @@ class JournalOnly:
             f"journal {self.where} has no measurement of the {need.what} at {freq_mhz} MHz "
             f"with {need.knobs.sms} SMs for collectives (backend {self._identity}); "
             f"measure it with `kareus profile` into this journal")
+
+    def measure_transient(self, run: TransientRun, freq_mhz: int) -> Measurement:
+        """Missing where the journal's backend measured wait transients (a replay must
+        not charge a different plan than the run it replays); where it could not, none
+        is (journals written before transients were measured, real GPUs)."""
+        if not self._transients:
+            raise TransientUnmeasurable(
+                f"backend {self._identity} of journal {self.where} measured no wait "
+                f"transients")
+        raise MissingMeasurement(
+            f"journal {self.where} has no measurement of the stage {run.stage} {run.direction}"
+            f"'s wait transient after {run.wait_s * 1e3:g} ms at {freq_mhz} MHz (backend "
+            f"{self._identity}); optimize with the backend that measured this journal")

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kareus.core import PartitionSetting
 from kareus.core.pareto import pareto_mask
+
+if TYPE_CHECKING:
+    from kareus.compose.transient import Transient
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class InstructionOption:
     sequential: bool = False
     """The instruction runs Megatron-style: the microbatch is not split and every
     collective blocks the compute stream (no partition settings)."""
+    transient: Transient | None = field(default=None, compare=False, repr=False)
+    """What the option costs beyond its steady state after its rank waited
+    (kareus.compose.transient; None: nothing, e.g. options built by hand)."""
 
     def setting_dict(self) -> dict[str, PartitionSetting]:
         return dict(self.settings)

@@ -21,12 +21,14 @@ journal-first one, and every recipe is evaluated once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from kareus.backends.base import Backend, JournalFirst
-from kareus.backends.needs import Need, measure_need
+from kareus.backends.needs import Need, TransientUnmeasurable, measure_need
 from kareus.compose.instruction import InstructionOption, KeyOption, pareto_front
 from kareus.compose.pipeline import PipelineCosts
 from kareus.compose.recipe import Combined, KeyChoice, Recipe, Scaled, Total, Whole
+from kareus.compose.transient import Transient
 from kareus.core import DIRECTIONS, Knobs, Measurement, PartitionSetting
 from kareus.errors import SpecError
 from kareus.plans.methods import Method
@@ -65,6 +67,8 @@ class Composer:
         do the pipeline transfers (a GPU profiled without clock changes has one clock)."""
         self._recipes: dict[str, dict[tuple[int, str], list[Recipe]]] = {}
         self._answers: dict[Need, Measurement] = {}
+        self.transient_note: str | None = None
+        """Why no wait transient is charged (the backend cannot measure them), if so."""
 
     # What composing asks for -------------------------------------------------------------
 
@@ -90,8 +94,26 @@ class Composer:
                 ) -> InstructionOptions:
         recipes = self._method_recipes(method, fronts)
         self.answer_all([n for rs in recipes.values() for r in rs for n in r.needs()])
-        return {sd: pareto_front([o for r in rs for o in r.options(self._answers)])
-                for sd, rs in recipes.items()}
+        return {sd: [self._with_transient(sd, o) for o in pareto_front(
+            [o for r in rs for o in r.options(self._answers)])]
+            for sd, rs in recipes.items()}
+
+    def _with_transient(self, sd: tuple[int, str], o: InstructionOption
+                        ) -> InstructionOption:
+        """``o`` with its wait transient (kareus.compose.transient), measured on demand
+        when a plan's evaluation first asks for it."""
+        return replace(o, transient=Transient(
+            self._answer_transient, self.ps, sd[0], sd[1], o.freq_mhz,
+            self.backend.default_sms, o.sequential, o.settings))
+
+    def _answer_transient(self, need: Need) -> Measurement | None:
+        if self.transient_note is not None:
+            return None
+        try:
+            return self._answer(need)
+        except TransientUnmeasurable as exc:
+            self.transient_note = str(exc)
+            return None
 
     def _method_recipes(self, method: Method, fronts: KeyFrontiers | None
                         ) -> dict[tuple[int, str], list[Recipe]]:

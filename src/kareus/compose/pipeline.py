@@ -21,9 +21,10 @@ from typing import Literal
 from kareus.compose.instruction import InstructionOption, pareto_front
 from kareus.compose.pipeline_costs import Options, PipelineCosts
 from kareus.compose.slack import fill_slack
+from kareus.compose.transient import WAIT_HORIZON_S
 from kareus.core import InstructionId
 from kareus.errors import SpecError
-from kareus.plans.schedule import run_times
+from kareus.plans.schedule import Compiled, run_times
 
 __all__ = ["Options", "PipelineCosts", "PipelinePoint", "Solver", "evaluate", "solve_frontier"]
 
@@ -47,16 +48,51 @@ class PipelinePoint:
 
 def evaluate(options: Options, costs: PipelineCosts, choice: dict[InstructionId, int]
              ) -> PipelinePoint:
+    """The plan's iteration time (the list schedule) and energy. A power-limited option
+    is charged its wait transient (kareus.compose.transient) after the idle time before it
+    on its rank; where no pick is power-limited, the options' steady costs alone."""
     c = costs.shape
     picks = {iid: options[(iid[0], iid[2])][choice[iid]] for iid in c.ids}
-    _start, _finish, ends = run_times(
-        c, [picks[iid].time_s for iid in c.ids],
-        c.out_delays(costs.send_activation_s, costs.send_grad_s), c.rank_end_s(costs.end_s))
-    per_gpu = sum(o.dynamic_energy_j for o in picks.values()) + sum(costs.fixed_dynamic_j)
-    dynamic = costs.gpus // costs.pp * per_gpu
-    t = max(ends)
+    ordered = [picks[iid] for iid in c.ids]
+    out_delay = c.out_delays(costs.send_activation_s, costs.send_grad_s)
+    rank_end = c.rank_end_s(costs.end_s)
+    limited = {id(o): o for o in ordered if o.transient is not None}
+    if any(o.transient is not None and o.transient.throttled for o in limited.values()):
+        t, per_gpu = _with_transients(c, ordered, out_delay, rank_end)
+    else:
+        _start, _finish, ends = run_times(c, [o.time_s for o in ordered], out_delay, rank_end)
+        t, per_gpu = max(ends), sum(o.dynamic_energy_j for o in ordered)
+    dynamic = costs.gpus // costs.pp * (per_gpu + sum(costs.fixed_dynamic_j))
     return PipelinePoint(t, dynamic + costs.gpus * t * costs.static_power_w, dynamic,
                          {iid: choice[iid] for iid in c.ids}, picks, options)
+
+
+def _with_transients(c: Compiled, ordered: list[InstructionOption], out_delay: list[float],
+                     rank_end: list[float]) -> tuple[float, float]:
+    """`run_times` with each instruction's duration its option's time plus its transient
+    after the wait since its rank's previous instruction finished (a rank's first: the
+    horizon, an idle GPU): the iteration time and one GPU per rank's instruction dynamic
+    energy summed over ranks. ``c.ids`` is topological and keeps each rank's order, so
+    the rank's previous instruction is the last one of that rank met."""
+    n = len(ordered)
+    ready = [0.0] * n
+    last_finish: list[float | None] = [None] * c.pp
+    ends = list(rank_end)
+    dynamic_j = 0.0
+    for i in range(n):
+        start = max((ready[p] for p in c.preds[i]), default=0.0)
+        o, r = ordered[i], c.rank[i]
+        dt, de = 0.0, 0.0
+        if o.transient is not None:
+            prev = last_finish[r]
+            dt, de = o.transient.delta(WAIT_HORIZON_S if prev is None else start - prev)
+        finish = start + o.time_s + dt
+        last_finish[r] = finish
+        dynamic_j += o.dynamic_energy_j + de
+        ready[i] = finish + out_delay[i]
+        if c.last_on_rank[i]:
+            ends[r] += ready[i]
+    return max(ends), dynamic_j
 
 
 def evaluate_filled(options: Options, costs: PipelineCosts,

@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from kareus.backends.emulator.params import EmulatorParams, load_params
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.backends.emulator.timeline import RunResult, Timeline
+from kareus.backends.needs import TransientRun
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.job.hardware import GPUSpec, get_gpu
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Op, ops_signature
 from kareus.workload.partition import Partition
+
+
+class _Transients(Protocol):
+    def measure(self, run: TransientRun, freq_mhz: int) -> Measurement: ...
+
+
+_TRANSIENTS: list[Callable[[EmulatorBackend], _Transients]] = []
+"""What measures wait transients: kareus.backends.emulator.transient registers it (it runs
+the whole-iteration simulator, which is built on this backend, so this module cannot
+import it; the package imports it)."""
+
+
+def register_transients(factory: Callable[[EmulatorBackend], _Transients]) -> None:
+    _TRANSIENTS[:] = [factory]
 
 
 def internode_groups(job: JobSpec) -> frozenset[str]:
@@ -68,6 +84,7 @@ class EmulatorBackend:
         groups = internode_groups(job) if job is not None else frozenset()
         self.timeline = Timeline(self.physics, self.static_power_w, self.gpu.tdp_w, groups)
         self._cache: dict[tuple[object, ...], Measurement] = {}
+        self._transients: _Transients | None = None
 
     @property
     def supported_freqs_mhz(self) -> tuple[int, ...]:
@@ -95,6 +112,14 @@ class EmulatorBackend:
         if self.noise == 0:
             return exact  # no noise label to build
         return self._noisy(exact, f"{ops_signature(ops)}|{freq_mhz}|{sms or self.default_sms}")
+
+    def measure_transient(self, run: TransientRun, freq_mhz: int) -> Measurement:
+        """A wait transient (kareus.backends.emulator.transient), noise-free: its use is
+        the difference from the same loop's steady run, which noise would swamp."""
+        self.gpu.check_freq(freq_mhz)
+        if self._transients is None:
+            self._transients = _TRANSIENTS[0](self)
+        return self._transients.measure(run, freq_mhz)
 
     # CostModel protocol: exact (noise-free) predictions, cached ------------------------------
 

@@ -198,15 +198,17 @@ class IterationSimulator:
         else:
             config = ("ovl", stage, direction,
                       self._knobs(plan, stage, direction, freq_mhz, iid), plan.default_sms)
-        t = e = 0.0
+        t = e = f_s = 0.0
         for step_key, run in self._step_runs(config, freq_mhz):
             r = self._step(step_key, run, freq_mhz, state)
-            t, e = t + r.time_s, e + r.energy_j
+            t, e, f_s = t + r.time_s, e + r.energy_j, f_s + r.freq_time_mhz_s
             if classes is not None:
                 for i, v in enumerate(r.classes):
                     classes[i] += v
+        # the clock run, time-weighted: below the set clock where the limiter held it back
+        # (kareus.backends.emulator.transient tells power-limited instructions by it)
         return Measurement.from_time_energy(t, e, self.backend.static_power_w,
-                                            float(freq_mhz))
+                                            f_s / t if t > 0 else float(freq_mhz))
 
     def _step(self, step_key: tuple, run: Callable[..., RunResult], f: int,
               state: LimiterState) -> RunResult:
