@@ -53,29 +53,43 @@ def evaluate(options: Options, costs: PipelineCosts, choice: dict[InstructionId,
     on its rank; where no pick is power-limited, the options' steady costs alone."""
     c = costs.shape
     picks = {iid: options[(iid[0], iid[2])][choice[iid]] for iid in c.ids}
-    ordered = [picks[iid] for iid in c.ids]
-    out_delay = c.out_delays(costs.send_activation_s, costs.send_grad_s)
-    rank_end = c.rank_end_s(costs.end_s)
-    limited = {id(o): o for o in ordered if o.transient is not None}
-    if any(o.transient is not None and o.transient.throttled for o in limited.values()):
-        t, per_gpu = _with_transients(c, ordered, out_delay, rank_end)
-    else:
-        _start, _finish, ends = run_times(c, [o.time_s for o in ordered], out_delay, rank_end)
-        t, per_gpu = max(ends), sum(o.dynamic_energy_j for o in ordered)
+    _durations, t, per_gpu = _charged(c, [picks[iid] for iid in c.ids], costs)
     dynamic = costs.gpus // costs.pp * (per_gpu + sum(costs.fixed_dynamic_j))
     return PipelinePoint(t, dynamic + costs.gpus * t * costs.static_power_w, dynamic,
                          {iid: choice[iid] for iid in c.ids}, picks, options)
 
 
+def charged_durations(point: PipelinePoint, costs: PipelineCosts) -> dict[InstructionId, float]:
+    """Each instruction's duration as `evaluate` charged it (wait transients included):
+    the durations the point's iteration time comes from."""
+    c = costs.shape
+    durations, _t, _e = _charged(c, [point.picks[iid] for iid in c.ids], costs)
+    return dict(zip(c.ids, durations, strict=True))
+
+
+def _charged(c: Compiled, ordered: list[InstructionOption], costs: PipelineCosts
+             ) -> tuple[list[float], float, float]:
+    """Per instruction (``c.ids`` order) its charged duration, the iteration time, and one
+    GPU per rank's instruction dynamic energy summed over ranks."""
+    out_delay = c.out_delays(costs.send_activation_s, costs.send_grad_s)
+    rank_end = c.rank_end_s(costs.end_s)
+    if any(o.transient is not None and o.transient.throttled for o in ordered):
+        return _with_transients(c, ordered, out_delay, rank_end)
+    durations = [o.time_s for o in ordered]
+    _start, _finish, ends = run_times(c, durations, out_delay, rank_end)
+    return durations, max(ends), sum(o.dynamic_energy_j for o in ordered)
+
+
 def _with_transients(c: Compiled, ordered: list[InstructionOption], out_delay: list[float],
-                     rank_end: list[float]) -> tuple[float, float]:
+                     rank_end: list[float]) -> tuple[list[float], float, float]:
     """`run_times` with each instruction's duration its option's time plus its transient
     after the wait since its rank's previous instruction finished (a rank's first: the
-    horizon, an idle GPU): the iteration time and one GPU per rank's instruction dynamic
-    energy summed over ranks. ``c.ids`` is topological and keeps each rank's order, so
-    the rank's previous instruction is the last one of that rank met."""
+    horizon, an idle GPU): the durations, the iteration time and one GPU per rank's
+    instruction dynamic energy summed over ranks. ``c.ids`` is topological and keeps each
+    rank's order, so the rank's previous instruction is the last one of that rank met."""
     n = len(ordered)
     ready = [0.0] * n
+    durations = [0.0] * n
     last_finish: list[float | None] = [None] * c.pp
     ends = list(rank_end)
     dynamic_j = 0.0
@@ -86,13 +100,14 @@ def _with_transients(c: Compiled, ordered: list[InstructionOption], out_delay: l
         if o.transient is not None:
             prev = last_finish[r]
             dt, de = o.transient.delta(WAIT_HORIZON_S if prev is None else start - prev)
-        finish = start + o.time_s + dt
+        durations[i] = o.time_s + dt
+        finish = start + durations[i]
         last_finish[r] = finish
         dynamic_j += o.dynamic_energy_j + de
         ready[i] = finish + out_delay[i]
         if c.last_on_rank[i]:
             ends[r] += ready[i]
-    return max(ends), dynamic_j
+    return durations, max(ends), dynamic_j
 
 
 def evaluate_filled(options: Options, costs: PipelineCosts,

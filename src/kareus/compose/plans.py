@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kareus.compose.instruction import InstructionOption
-from kareus.compose.pipeline import PipelineCosts, PipelinePoint
+from kareus.compose.pipeline import PipelineCosts, PipelinePoint, charged_durations
 from kareus.core import LAUNCH_FIRST, InstructionId, PartitionSetting
 from kareus.plans.execution import ExecutionPlan
 from kareus.plans.plan import TimelineEntry
@@ -37,10 +37,12 @@ def timeline(point: PipelinePoint, costs: PipelineCosts, f_max: int
     stage's end-of-iteration work (data-parallel sync, optimizer step: kind "end",
     microbatch -1, at ``f_max``, critical on the rank that ends last). With interleaved
     1F1B every bar's stage is a virtual stage (its rank: stage % pp), and a rank's chunks'
-    end-of-iteration bars follow each other after its last instruction."""
+    end-of-iteration bars follow each other after its last instruction. Durations are
+    those the point was evaluated with (wait transients included)."""
+    charged = charged_durations(point, costs)
 
     def duration(iid: InstructionId) -> float:
-        return point.picks[iid].time_s
+        return charged[iid]
 
     pp, mbs, vp = costs.pp, costs.microbatches, costs.vp
     acts, grads = list(costs.send_activation_s), list(costs.send_grad_s)
