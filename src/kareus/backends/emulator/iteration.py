@@ -123,6 +123,7 @@ class IterationSimulator:
         self.backend = backend
         self._instr: dict = {}
         self._runs: dict = {}
+        self._instructions: dict = {}
         self._plans_of_steps: dict = {}
 
     # One instruction ----------------------------------------------------------------------
@@ -198,17 +199,38 @@ class IterationSimulator:
         else:
             config = ("ovl", stage, direction,
                       self._knobs(plan, stage, direction, freq_mhz, iid), plan.default_sms)
-        t = e = f_s = 0.0
-        for step_key, run in self._step_runs(config, freq_mhz):
-            r = self._step(step_key, run, freq_mhz, state)
-            t, e, f_s = t + r.time_s, e + r.energy_j, f_s + r.freq_time_mhz_s
-            if classes is not None:
+        # a whole instruction from the same (snapped) state is the same run of steps: the
+        # first step would snap the state the same way, and each step is a function of it
+        self._snap(state)
+        key = (config, freq_mhz, state.avg_power_w, state.cap_mhz, state.since_tick_s)
+        hit = self._instructions.get(key)
+        if hit is None:
+            t = e = f_s = 0.0
+            tally = [0.0] * 2 * len(KERNEL_CLASSES)  # time, then energy, per class
+            for step_key, run in self._step_runs(config, freq_mhz):
+                r = self._step(step_key, run, freq_mhz, state)
+                t, e, f_s = t + r.time_s, e + r.energy_j, f_s + r.freq_time_mhz_s
                 for i, v in enumerate(r.classes):
-                    classes[i] += v
+                    tally[i] += v
+            hit = self._instructions[key] = (
+                t, e, f_s, tuple(tally), (state.avg_power_w, state.cap_mhz, state.since_tick_s))
+        t, e, f_s, tallied, end = hit
+        state.avg_power_w, state.cap_mhz, state.since_tick_s = end
+        if classes is not None:
+            for i, v in enumerate(tallied):
+                classes[i] += v
         # the clock run, time-weighted: below the set clock where the limiter held it back
         # (kareus.backends.emulator.transient tells power-limited instructions by it)
         return Measurement.from_time_energy(t, e, self.backend.static_power_w,
                                             f_s / t if t > 0 else float(freq_mhz))
+
+    def _snap(self, state: LimiterState) -> None:
+        """Average power to 0.5 W, the control tick's phase to a tenth of a tick."""
+        lim = self.backend.timeline.limiter
+        if lim is not None:
+            state.avg_power_w = round(state.avg_power_w * 2) / 2
+            tenths = min(round(state.since_tick_s / lim.tick_s * 10), 9)
+            state.since_tick_s = tenths * lim.tick_s / 10
 
     def _step(self, step_key: tuple, run: Callable[..., RunResult], f: int,
               state: LimiterState) -> RunResult:
@@ -216,11 +238,7 @@ class IterationSimulator:
         (average power to 0.5 W, the control tick's phase to a tenth of a tick), so that
         the same step from nearly the same state is simulated once: a layer's partitions
         repeat layer after layer from states that converge."""
-        lim = self.backend.timeline.limiter
-        if lim is not None:
-            state.avg_power_w = round(state.avg_power_w * 2) / 2
-            tenths = min(round(state.since_tick_s / lim.tick_s * 10), 9)
-            state.since_tick_s = tenths * lim.tick_s / 10
+        self._snap(state)
         key = (step_key, f, state.avg_power_w, state.cap_mhz, state.since_tick_s)
         hit = self._runs.get(key)
         if hit is None:
