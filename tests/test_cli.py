@@ -226,6 +226,10 @@ def test_calibrate_lists_anchors(cli):
         ["simulate", "-p", "kareus-1", "--mbs", "1", "--method", "nanobatch"],
         ["measure", "-p", "kareus-1", "--mbs", "3", "--partition", "fwd_attn", "--freq",
          "1200", "--sms", "3"],
+        ["optimize", "-p", "kareus-1", "--out", "/tmp/kareus-never", "--pipeline-solver",
+         "simplex"],
+        ["optimize", "-p", "kareus-1", "--out", "/tmp/kareus-never", "--validate-plans", "-1"],
+        ["optimize", "-p", "kareus-1", "--out", "/tmp/kareus-never", "--vp", "3"],
     ],
 )
 def test_bad_measurement_requests_exit_2(cli, args):
