@@ -14,20 +14,25 @@ trees fitted to a few dozen noisy points do not see (docs/search.md, "Surrogates
   make one SM count a few tenths of a percent faster than its neighbours at every clock;
 - measurement noise.
 
-Each term is a kernel on the columns it concerns (`OnColumns`): column 0 is the clock, the
-next ones the configuration (collective SMs, launch position, FLOPs before the launch,
-overlap flag; `KnobSpace.features`). The kernel's hyperparameters are fitted by marginal
-likelihood (scikit-learn), warm-started from the previous batch's fit. Predictions leave
-the noise term out, so their spread is what is not known about a setting, not the scatter
-of one more measurement of it.
+Each term is a kernel on the columns it concerns: column 0 is the clock, the next ones the
+configuration (collective SMs, launch position, FLOPs before the launch, overlap flag;
+`KnobSpace.features`). The signal terms are one kernel computed in numpy (`KnobKernel`);
+`knob_kernel_reference` builds the same model from scikit-learn's kernel algebra
+(`OnColumns`), several times slower to fit, and the tests hold the two equal. The
+kernel's hyperparameters are fitted by marginal likelihood (scikit-learn), warm-started
+from the previous batch's fit. Predictions leave the noise term out, so their spread is
+what is not known about a setting, not the scatter of one more measurement of it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 from sklearn.gaussian_process.kernels import Hyperparameter, Kernel
+
+from kareus.search.knob_kernel import KnobKernel
 
 KNOB_COLUMNS = 5
 """Columns of `KnobSpace.features` the kernel reads: clock, then four configuration
@@ -89,6 +94,17 @@ def knob_kernel(n_config: int = KNOB_COLUMNS - 1, n_prior: int = 0) -> Kernel:
     """clock + configuration + clock x configuration + per-configuration offset
     [+ linear in the prior's log predictions] + noise, on standardised targets. The noise
     term comes last (`KnobGPSurrogate` splits it off as the outermost sum's second part)."""
+    from sklearn.gaussian_process.kernels import WhiteKernel
+
+    signal = KnobKernel(n_config, n_prior, config_lengths=np.ones(n_config),
+                        interaction_config_lengths=np.ones(n_config))
+    return signal + WhiteKernel(1e-2, (1e-5, 1.0))
+
+
+def knob_kernel_reference(n_config: int = KNOB_COLUMNS - 1, n_prior: int = 0) -> Kernel:
+    """`knob_kernel` built from scikit-learn's kernel algebra: the same model, several
+    times slower to fit (kept as the independent computation `KnobKernel` is tested
+    against)."""
     from sklearn.gaussian_process.kernels import (
         RBF,
         ConstantKernel,
@@ -119,6 +135,21 @@ def knob_kernel(n_config: int = KNOB_COLUMNS - 1, n_prior: int = 0) -> Kernel:
     return signal + WhiteKernel(1e-2, (1e-5, 1.0))
 
 
+@functools.cache
+def _blas_controller() -> Any:
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def _one_blas_thread() -> Any:
+    """A context limiting BLAS and OpenMP to one thread. threadpoolctl's
+    `threadpool_limits` scans the loaded libraries on every call (about 5 ms, 16 times per
+    partition search); the controller scans them once, on the first fit, when numpy,
+    scipy and scikit-learn have loaded theirs."""
+    return _blas_controller().limit(limits=1)
+
+
 class KnobGPSurrogate:
     """One Gaussian process per objective on log targets (standardised by scikit-learn)."""
 
@@ -139,12 +170,10 @@ class KnobGPSurrogate:
     def fit(self, X: np.ndarray, Y: np.ndarray) -> KnobGPSurrogate:
         """X: (n, d) `KnobSpace.features` rows (prior columns last); Y: (n, k) positive
         objectives."""
-        from threadpoolctl import threadpool_limits
-
         # one BLAS thread: partitions are searched in parallel processes already, and the
         # same data must give the same fit in every process (bit for bit: the path of a
         # search, hence the journal's rerun rule, depends on it)
-        with threadpool_limits(1):
+        with _one_blas_thread():
             return self._fit(X, Y)
 
     def _fit(self, X: np.ndarray, Y: np.ndarray) -> KnobGPSurrogate:
@@ -175,10 +204,8 @@ class KnobGPSurrogate:
 
     def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Median and spread of each objective in its own units (log-normal, first order)."""
-        from threadpoolctl import threadpool_limits
-
         X = self._columns(X)
-        with threadpool_limits(1):
+        with _one_blas_thread():
             mus, sds = zip(*(fit.predict(X, return_std=True) for fit in self._fits))
         mu, sd = np.column_stack(mus), np.column_stack(sds)
         values = np.exp(mu)
