@@ -30,6 +30,7 @@ from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need
 from kareus.backends.registry import BackendSpec
+from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, KeyFrontiers, key_frontiers
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
@@ -130,8 +131,8 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
                         report: Callable[[int, int], None] | None = None
                         ) -> tuple[int, int]:
     """Measure what composing every method needs and the journal lacks, one clock at a
-    time from the highest, journaling each number; ``report(done, total)`` after each.
-    Returns (lacking, measured)."""
+    time from the highest, then the wait transients its plans charge, journaling each
+    number; ``report(done, total)`` after each step. Returns (lacking, measured)."""
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
     needs = composer.needs(_runnable(workload), journal_frontiers(workload, backend))
     todo = sorted(backend.lacks(needs), key=lambda n: -n.knobs.freq_mhz)
@@ -142,7 +143,15 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
         composer.answer_all([need])
         if report is not None:
             report(i, len(todo))
-    return len(todo), backend.measured - before
+    # wait transients (kareus.compose.transient): which option runs after which wait is
+    # known only when a plan is evaluated, so every method is composed once, as optimize
+    # composes it; evaluating its plans measures and journals the transients they charge
+    steps = backend.measured
+    method_frontiers(composer, _runnable(workload), journal_frontiers(workload, backend))
+    needed = len(todo) + backend.measured - steps  # the transients the journal lacked
+    if report is not None and needed > len(todo):
+        report(needed, needed)
+    return needed, backend.measured - before
 
 
 def composition_needs(workload: Workload, backend: JournaledBackend) -> list[Need]:
