@@ -30,5 +30,6 @@ def _costs(pp: int, microbatches: int) -> PipelineCosts:
 
 def test_default_sample_shrinks_with_the_pipeline():
     assert default_validation_sample(_costs(2, 8)) == 12  # the paper's jobs
-    assert default_validation_sample(_costs(8, 32)) == 2  # the 70B job
+    assert default_validation_sample(_costs(4, 16)) == 4
+    assert default_validation_sample(_costs(8, 32)) == 1  # the 70B job
     assert default_validation_sample(_costs(16, 64)) == 1  # 1,024 GPUs

@@ -47,7 +47,7 @@ def optimize(
     validate_plans: Annotated[Optional[int], typer.Option(
         "--validate-plans", help="Emulator: plans per method simulated as whole iterations "
                                  "(fastest, least-energy, evenly between; default: 12 on "
-                                 "small pipelines, 2 or 1 on large ones).")] = None,
+                                 "small pipelines, 1 from 512 instructions).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Search every partition, compose the iteration frontiers of every method, write

@@ -298,12 +298,12 @@ def optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
 
 def default_validation_sample(costs: PipelineCosts) -> int:
     """Plans per method the emulator simulates by default: 12 on the paper's jobs (32
-    instructions; a frontier holds ~100), 2 (the fastest and the least-energy) on the 70B
-    job's 512 instructions, 1 (the fastest) from 1,024 on: a whole-iteration simulation
-    grows with the pipeline, and validation should cost well under the composition (a
-    quarter of it at most on the 70B job)."""
+    instructions; a frontier holds ~100), 4 at 128 instructions, 1 (the fastest, where the
+    power limiter acts most) from 512 on (the 70B job): a whole-iteration simulation grows
+    with the pipeline, and validation should cost at most a quarter of the composition
+    (2 per method took a third of it on the 70B job)."""
     instructions = 2 * costs.stages * costs.microbatches
-    return max(1, min(12, 1024 // instructions))
+    return max(1, min(12, 512 // instructions))
 
 
 def validation_sample(plans: int, per_method: int) -> list[int]:
