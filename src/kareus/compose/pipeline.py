@@ -24,7 +24,7 @@ from kareus.compose.slack import fill_slack
 from kareus.compose.transient import WAIT_HORIZON_S
 from kareus.core import InstructionId
 from kareus.errors import SpecError
-from kareus.plans.schedule import Compiled, run_times
+from kareus.plans.schedule import Compiled, run_times, run_times_at
 
 __all__ = ["Options", "PipelineCosts", "PipelinePoint", "Solver", "evaluate", "solve_frontier"]
 
@@ -85,28 +85,25 @@ def _with_transients(c: Compiled, ordered: list[InstructionOption], out_delay: l
     """`run_times` with each instruction's duration its option's time plus its transient
     after the wait since its rank's previous instruction finished (a rank's first: the
     horizon, an idle GPU): the durations, the iteration time and one GPU per rank's
-    instruction dynamic energy summed over ranks. ``c.ids`` is topological and keeps each
-    rank's order, so the rank's previous instruction is the last one of that rank met."""
-    n = len(ordered)
-    ready = [0.0] * n
-    durations = [0.0] * n
+    instruction dynamic energy summed over ranks. Durations are asked in each rank's order
+    (`run_times_at`), so the rank's previous instruction is the last one of that rank met."""
+    durations = [0.0] * len(ordered)
     last_finish: list[float | None] = [None] * c.pp
-    ends = list(rank_end)
     dynamic_j = 0.0
-    for i in range(n):
-        start = max((ready[p] for p in c.preds[i]), default=0.0)
+
+    def duration_at(i: int, start: float) -> float:
+        nonlocal dynamic_j
         o, r = ordered[i], c.rank[i]
         dt, de = 0.0, 0.0
         if o.transient is not None:
             prev = last_finish[r]
             dt, de = o.transient.delta(WAIT_HORIZON_S if prev is None else start - prev)
         durations[i] = o.time_s + dt
-        finish = start + durations[i]
-        last_finish[r] = finish
+        last_finish[r] = start + durations[i]
         dynamic_j += o.dynamic_energy_j + de
-        ready[i] = finish + out_delay[i]
-        if c.last_on_rank[i]:
-            ends[r] += ready[i]
+        return durations[i]
+
+    _start, _finish, ends = run_times_at(c, duration_at, out_delay, rank_end)
     return durations, max(ends), dynamic_j
 
 

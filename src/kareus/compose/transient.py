@@ -10,9 +10,8 @@ at waits on a geometric grid (`WAIT_GRID_STEPS`, in WAIT_STEP_S, up to WAIT_HORI
 interpolated linearly between them: the limiter recovers exponentially during a wait, so
 the difference changes fastest for short waits, and ten waits per option cost a twentieth
 of the measurements of a uniform 0.5 ms grid (3,968 on the 1,024-GPU job). An option whose
-steady run holds
-its set clock is never throttled, so a wait changes nothing: its difference is zero and
-nothing more is measured.
+steady run holds its set clock is never throttled, so a wait changes nothing: its
+difference is zero and nothing more is measured.
 """
 
 from __future__ import annotations

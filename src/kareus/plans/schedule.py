@@ -213,19 +213,30 @@ def schedule(pp: int, microbatches: int, duration: Callable[[InstructionId], flo
         start, finish, ends = run_times(c, durations, out_delay, c.rank_end_s(end_s))
         return Timing(dict(zip(c.ids, start, strict=True)),
                       dict(zip(c.ids, finish, strict=True)), ends)
+    start_l, finish_l, ends = run_times_at(
+        c, lambda i, t: duration_at(c.ids[i], t), out_delay, c.rank_end_s(end_s))
+    return Timing(dict(zip(c.ids, start_l, strict=True)),
+                  dict(zip(c.ids, finish_l, strict=True)), ends)
+
+
+def run_times_at(c: Compiled, duration_at: Callable[[int, float], float],
+                 out_delay: Sequence[float], rank_end_s: Sequence[float]
+                 ) -> tuple[list[float], list[float], list[float]]:
+    """`run_times` where each instruction's duration depends on when it starts:
+    ``duration_at(index, start)`` is asked in ``c.ids`` order (topological, each rank's
+    instructions in their order)."""
     n = len(c.ids)
-    start_l, finish_l, ready = [0.0] * n, [0.0] * n, [0.0] * n
-    for i, iid in enumerate(c.ids):
+    start, finish, ready = [0.0] * n, [0.0] * n, [0.0] * n
+    for i in range(n):
         t = max((ready[p] for p in c.preds[i]), default=0.0)
-        start_l[i] = t
-        finish_l[i] = t + duration_at(iid, t)
-        ready[i] = finish_l[i] + out_delay[i]
-    ends = c.rank_end_s(end_s)
+        start[i] = t
+        finish[i] = t + duration_at(i, t)
+        ready[i] = finish[i] + out_delay[i]
+    ends = list(rank_end_s)
     for i in range(n):
         if c.last_on_rank[i]:
             ends[c.rank[i]] += ready[i]
-    return Timing(dict(zip(c.ids, start_l, strict=True)),
-                  dict(zip(c.ids, finish_l, strict=True)), ends)
+    return start, finish, ends
 
 
 def successors(pp: int, microbatches: int, vp: int = 1
