@@ -56,6 +56,25 @@ def test_lp_frontier_matches_or_beats_phillips_dessouky(preset, method):
         assert t.iteration_s == pytest.approx(p.time_s, rel=1e-12)
 
 
+def test_with_wait_transients_the_lp_reaches_its_own_fastest_time():
+    # Charged wait transients make the all-fastest plan evaluate faster than the LP's
+    # steady durations allow; the LP's last target must be its own fastest time, not that
+    # evaluated one (infeasible to it), or the fast end of the frontier is left to the
+    # slack-filled all-fastest plan: +0.62% against PD on this job before the fix.
+    job = build_job("kareus-2")
+    comp = Composer(Workload.build(job).partitions, EmulatorBackend(job), job.freqs_mhz)
+    options = comp.options(get_method("nanobatch_perseus"))
+    assert any(o.transient is not None and o.transient.throttled
+               for v in options.values() for o in v)
+    costs = comp.pipeline_costs()
+    lp = solve_frontier(options, costs, solver="lp")
+    pd = solve_frontier(options, costs, solver="phillips-dessouky")
+    assert lp[0].time_s <= pd[0].time_s * (1 + 1e-9)
+    times = np.linspace(lp[0].time_s, min(lp[-1].time_s, pd[-1].time_s), 200)
+    ratio = _energy_at(lp, times) / _energy_at(pd, times)
+    assert ratio.max() <= 1.005, f"LP worse by {ratio.max() - 1:.3%} at some time"
+
+
 def test_lp_reaches_the_hand_solved_optimum():
     # 1 stage, 1 microbatch, no transfers: forward then backward in series. The forward's
     # options (1 s, 10 J), (2 s, 4 J); the backward's (1 s, 10 J), (3 s, 4 J). At 3 s the

@@ -35,6 +35,7 @@ from kareus.compose.instruction import InstructionOption
 from kareus.compose.pipeline_costs import PipelineCosts
 from kareus.core import InstructionId
 from kareus.errors import KareusError
+from kareus.plans.schedule import run_times
 
 Hull = list[tuple[float, float]]
 
@@ -69,6 +70,9 @@ def lp_choices(options: dict[tuple[int, str], list[InstructionOption]],
     no target goes there."""
     n_targets = targets or default_targets(costs)
     model = _PipelineLp(options, costs)
+    # The LP prices steady durations; the evaluated ends may be faster (wait transients,
+    # kareus.compose.transient), and a target below the LP's own fastest time is infeasible.
+    fastest_s = max(fastest_s, model.fastest_time_s)
     least_s = model.least_energy_time(fastest_s, slowest_s)
     if least_s is None:
         return
@@ -134,6 +138,9 @@ class _PipelineLp:
                 rows.append(([i, *segs[i], self.t_col], [1.0] * (1 + len(segs[i])) + [-1.0],
                              -inf, -(out_delay[i] + rank_end[c.rank[i]] + self.t0[i])))
         self.h = _highs(np.array(lo), np.array(hi), np.array(cost), rows)
+        _s, _f, ends = run_times(c, self.t0.tolist(), out_delay, rank_end)
+        self.fastest_time_s = max(ends)
+        """Every instruction at its hull's fastest time: the least T the program allows."""
         # the whole energy per rank's GPU: dynamic (the columns) + pp x static power x T
         self.static_w = costs.pp * costs.static_power_w
 
