@@ -35,9 +35,17 @@ COLUMNS = {
     "op_measurements": [("id", "INTEGER", 0), ("job_id", "TEXT", 1), ("ops", "TEXT", 1),
                         ("backend", "TEXT", 1), ("freq_mhz", "INTEGER", 1),
                         ("sms", "INTEGER", 1), *_MEASURED],
+    "fitted": [("job_id", "TEXT", 1), ("kind", "TEXT", 1), ("key", "TEXT", 1),
+               ("backend", "TEXT", 1), ("freq_mhz", "INTEGER", 1), ("sms", "INTEGER", 1),
+               ("slot", "TEXT", 1), ("time_rel_error", "REAL", 1),
+               ("energy_rel_error", "REAL", 1), ("measured_freqs", "TEXT", 1),
+               ("created_at", "REAL", 1)],
+    "profile_runs": [("id", "INTEGER", 0), ("job_id", "TEXT", 1), ("backend", "TEXT", 1),
+                     ("summary_json", "TEXT", 1), ("created_at", "REAL", 1)],
 }
 UNIQUE = {"measurements": ("job_id", "partition", "backend", "freq_mhz", "sms", "slot"),
-          "op_measurements": ("job_id", "ops", "backend", "freq_mhz", "sms")}
+          "op_measurements": ("job_id", "ops", "backend", "freq_mhz", "sms"),
+          "fitted": ("job_id", "kind", "key", "backend", "freq_mhz", "sms", "slot")}
 
 # The layout the first journal (schema version 1) had: no backends, no op_measurements.
 FIRST_V1_LAYOUT = """
@@ -88,7 +96,7 @@ def test_a_new_journal_has_the_schema_and_version_it_declares(tmp_path):
             assert key in _unique_columns(conn, table), table
         assert conn.execute("SELECT key, value FROM meta").fetchall() == [
             ("schema_version", str(JOURNAL_SCHEMA_VERSION))]
-        assert JOURNAL_SCHEMA_VERSION == 1
+        assert JOURNAL_SCHEMA_VERSION == 2
         # WAL is a property of the file: every later connection gets it
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
@@ -293,10 +301,10 @@ def test_damaged_data_pages_are_a_journal_error(tmp_path):
         j.partition_samples("job", "emu")
 
 
-@pytest.mark.parametrize("version", ["2", "0", "one"])
+@pytest.mark.parametrize("version", ["3", "0", "one"])
 def test_a_journal_of_another_schema_version_is_refused(tmp_path, version):
-    """Version 1 is the only one there is: there is no older layout to migrate from, and
-    a newer Kareus's journal is refused rather than misread. Its content stays."""
+    """Versions 1 and 2 open (1 is upgraded in place); a newer Kareus's journal, or an
+    unknown version, is refused rather than misread. Its content stays."""
     path = tmp_path / "j.sqlite"
     with _raw(path) as conn:
         conn.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
@@ -315,7 +323,8 @@ def test_a_journal_of_another_schema_version_is_refused(tmp_path, version):
 
 def test_the_first_version_1_layout_opens_and_gains_the_later_tables(tmp_path):
     """Journals written before backends and op_measurements existed (same version 1: the
-    tables were only added) open, keep their measurements and take the new kinds."""
+    tables were only added) open, keep their measurements and take the new kinds; opening
+    one upgrades it to version 2 (which added fitted numbers and profile costs)."""
     path = tmp_path / "old.sqlite"
     with _raw(path) as conn:
         conn.executescript(FIRST_V1_LAYOUT)
@@ -335,7 +344,7 @@ def test_the_first_version_1_layout_opens_and_gains_the_later_tables(tmp_path):
     assert _tables(path) == set(COLUMNS)
     with _raw(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("SELECT value FROM meta").fetchall() == [("1",)]
+        assert conn.execute("SELECT value FROM meta").fetchall() == [("2",)]
     with Journal(path) as j:
         assert j.op_samples("job", "emu") == {("ops", 1410, 8): M}
         assert j.backend_info("emu") == {"gpu": "A100"}
@@ -349,7 +358,7 @@ def _open_fds(path: Path) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
-@pytest.mark.parametrize("version", [None, "2"])
+@pytest.mark.parametrize("version", [None, "3"])
 def test_a_refused_journal_is_not_left_open(tmp_path, version):
     path = tmp_path / "j.sqlite"
     if version is None:

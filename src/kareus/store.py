@@ -14,7 +14,7 @@ import hashlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,11 @@ from kareus.core.measurement import FIELDS
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 
-JOURNAL_SCHEMA_VERSION = 1
+JOURNAL_SCHEMA_VERSION = 2
+"""2 added which numbers were fitted rather than measured (`fitted`) and what each profile
+cost (`profile_runs`); a version-1 journal is upgraded in place when opened (both tables
+start empty: every number in it was measured). Version-1 code refuses a version-2 journal,
+which would take its fitted numbers for measurements."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -63,6 +67,27 @@ CREATE TABLE IF NOT EXISTS op_measurements (
     effective_freq_mhz REAL NOT NULL,
     created_at REAL NOT NULL,
     UNIQUE (job_id, ops, backend, freq_mhz, sms)
+);
+CREATE TABLE IF NOT EXISTS fitted (
+    job_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    freq_mhz INTEGER NOT NULL,
+    sms INTEGER NOT NULL,
+    slot TEXT NOT NULL,
+    time_rel_error REAL NOT NULL,
+    energy_rel_error REAL NOT NULL,
+    measured_freqs TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (job_id, kind, key, backend, freq_mhz, sms, slot)
+);
+CREATE TABLE IF NOT EXISTS profile_runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    summary_json TEXT NOT NULL,
+    created_at REAL NOT NULL
 );
 """
 _MEASUREMENT_COLUMNS = ("time_s, energy_j, static_energy_j, dynamic_energy_j, avg_power_w, "
@@ -127,6 +152,13 @@ class JournalLike(Protocol):
     def op_samples(self, jid: str, backend: str
                    ) -> dict[tuple[str, int, int], Measurement]: ...
 
+    def record_fitted(self, jid: str, backend: str, kind: str, key: str, knobs: Knobs,
+                      m: Measurement, time_rel_error: float, energy_rel_error: float,
+                      measured_freqs_mhz: Sequence[int]) -> None: ...
+
+    def fitted(self, jid: str, backend: str) -> dict[tuple[str, str, int, int, str | None],
+                                                     tuple[float, float]]: ...
+
 
 class Journal:
     def __init__(self, path: str | Path) -> None:
@@ -146,6 +178,10 @@ class Journal:
             _retry_locked(lambda: self.conn.executescript(_SCHEMA))
             _retry_locked(lambda: self.conn.execute(
                 "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                (str(JOURNAL_SCHEMA_VERSION),)))
+            # version 1 lacks only the tables the schema script just created
+            _retry_locked(lambda: self.conn.execute(
+                "UPDATE meta SET value = ? WHERE key = 'schema_version' AND value = '1'",
                 (str(JOURNAL_SCHEMA_VERSION),)))
             version = self.conn.execute(
                 "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -234,7 +270,64 @@ class Journal:
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
 
+    def record_fitted(self, jid: str, backend: str, kind: str, key: str, knobs: Knobs,
+                      m: Measurement, time_rel_error: float, energy_rel_error: float,
+                      measured_freqs_mhz: Sequence[int]) -> None:
+        """Store a fitted number (``kind``: "partition" or "ops", ``key`` the partition or
+        ops signature) where measurements are looked up, and that it was fitted, with the
+        fit's held-out errors and the clocks measured for it: one transaction."""
+        table, col = (("measurements", "partition") if kind == "partition"
+                      else ("op_measurements", "ops"))
+        slot_cols, slot_vals = (("slot, ", (knobs.slot or _NONE_SLOT,))
+                                if kind == "partition" else ("", ()))
+        try:
+            with self._tx():
+                self.conn.execute(
+                    f"INSERT OR IGNORE INTO {table}(job_id, {col}, backend, freq_mhz, sms, "
+                    f"{slot_cols}{_MEASUREMENT_COLUMNS}, created_at) VALUES "
+                    f"({', '.join('?' * (12 + len(slot_vals)))})",
+                    (jid, key, backend, knobs.freq_mhz, knobs.sms, *slot_vals,
+                     *(getattr(m, f) for f in FIELDS), time.time()))
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO fitted(job_id, kind, key, backend, freq_mhz, sms, "
+                    "slot, time_rel_error, energy_rel_error, measured_freqs, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (jid, kind, key, backend, knobs.freq_mhz, knobs.sms,
+                     knobs.slot or _NONE_SLOT, time_rel_error, energy_rel_error,
+                     json.dumps(list(measured_freqs_mhz)), time.time()))
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
+
+    def record_profile_run(self, jid: str, backend: str, summary: dict[str, object]) -> None:
+        """What a profile measured and what it cost (`kareus profile`)."""
+        try:
+            with self._tx():
+                self.conn.execute(
+                    "INSERT INTO profile_runs(job_id, backend, summary_json, created_at) "
+                    "VALUES (?, ?, ?, ?)", (jid, backend, json.dumps(summary, sort_keys=True),
+                                            time.time()))
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
+
     # Reading ------------------------------------------------------------------------------
+
+    def fitted(self, jid: str, backend: str) -> dict[tuple[str, str, int, int, str | None],
+                                                     tuple[float, float]]:
+        """Every fitted number of the job on the backend: (kind, key, MHz, SMs, slot) ->
+        its fit's held-out (time, energy) relative errors."""
+        rows = self.conn.execute(
+            "SELECT kind, key, freq_mhz, sms, slot, time_rel_error, energy_rel_error "
+            "FROM fitted WHERE job_id = ? AND backend = ?", (jid, backend)).fetchall()
+        return {(str(k), str(key), int(f), int(n), None if slot == _NONE_SLOT else str(slot)):
+                (float(et), float(ee)) for k, key, f, n, slot, et, ee in rows}
+
+    def profile_runs(self, jid: str) -> list[dict[str, object]]:
+        """The profiles recorded for the job, oldest first."""
+        rows = self.conn.execute(
+            "SELECT summary_json FROM profile_runs WHERE job_id = ? ORDER BY id",
+            (jid,)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
 
     def backend_info(self, identity: str) -> dict[str, object] | None:
         row = self.conn.execute("SELECT info_json FROM backends WHERE identity = ?",

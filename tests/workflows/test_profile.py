@@ -37,12 +37,12 @@ def test_profile_covers_every_partition_and_every_composition_step(profiled):
     ps = Workload.build(JOB).partitions
     assert [r.partition for r in result.searches] == ps.keys
     assert all(r.measured_this_run == len(r.samples) > 0 for r in result.searches)
-    assert result.composition_needed > 0
-    assert result.composition_measured == result.composition_needed
+    assert result.steps is not None and result.steps.needed > 0
+    assert result.steps.measured + result.steps.fitted == result.steps.needed
     # progress per partition, then the steps outside partitions, ending complete
     assert {k for k, _, _ in seen} == {*ps.keys, COMPOSITION}
     last = [s for s in seen if s[0] == COMPOSITION][-1]
-    assert last == (COMPOSITION, result.composition_needed, result.composition_needed)
+    assert last == (COMPOSITION, result.steps.needed, result.steps.needed)
     with Journal(path) as j:
         emu = EmulatorBackend(JOB)
         wl = Workload.build(JOB)
@@ -56,7 +56,8 @@ def test_a_second_profile_measures_nothing(profiled):
     path, first, _ = profiled
     again = profile(JOB, path, EmulatorSpec(), CONFIG)
     assert [r.measured_this_run for r in again.searches] == [0] * len(first.searches)
-    assert again.composition_needed == 0 and again.composition_measured == 0
+    assert again.steps is not None
+    assert again.steps.needed == 0 and again.steps.measured == 0
 
 
 def test_profile_partitions_only_exhaustive(tmp_path):
@@ -65,7 +66,7 @@ def test_profile_partitions_only_exhaustive(tmp_path):
                 keys=["fwd_attn"], composition=False)
     p = Workload.build(JOB).partitions["fwd_attn"]
     assert r.searches[0].measured_this_run == p.knob_space_size(2)
-    assert r.composition_needed == 0
+    assert r.steps is None
     with Journal(path) as j:
         assert j.op_samples(job_id(JOB), EmulatorBackend(JOB).identity()) == {}
 
@@ -91,7 +92,7 @@ def test_measurements_give_the_frontiers_of_optimize(profiled, tmp_path):
         for (t1, e1), (t2, e2) in zip(a[method], b[method], strict=True):
             assert t2 == pytest.approx(t1, rel=0.01) and e2 == pytest.approx(e1, rel=0.01)
     report = (tmp_path / "m" / "report.md").read_text()
-    assert "Every number is a measurement from the journal." in report
+    assert "Every number is from the journal." in report
 
 
 def test_a_journal_without_the_fixed_steps_is_one_line_listing_them(tmp_path):
@@ -165,8 +166,8 @@ def test_profile_of_an_unsplit_microbatch_measures_what_megatron_and_perseus_nee
                                            "micro_batch_size": 1, "num_microbatches": 4})
     path = str(tmp_path / "j.sqlite")
     result = profile(job, path, EmulatorSpec(), CONFIG)
-    assert result.searches == [] and result.composition_needed > 0
-    assert result.composition_measured == result.composition_needed
+    assert result.searches == [] and result.steps is not None and result.steps.needed > 0
+    assert result.steps.measured + result.steps.fitted == result.steps.needed
     r = optimize(job, str(tmp_path / "r"), CONFIG, measurements=path)
     assert r is not None and set(r.plans) == {"megatron", "perseus"}
     assert r.sources is not None and r.sources["filled"] == []

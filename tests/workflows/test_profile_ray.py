@@ -66,18 +66,20 @@ def test_every_partition_and_composition_step_is_journaled(profiled):
         assert r.measured_this_run == len(r.samples) == CONFIG.budget
         journaled = _journaled(path, r.partition)
         assert all(journaled[s.knobs] == s.measurement for s in r.samples)
-    assert result.composition_needed > 0
-    assert result.composition_measured == result.composition_needed
+    assert result.steps is not None and result.steps.needed > 0
+    assert result.steps.measured + result.steps.fitted == result.steps.needed
     with Journal(path) as j:
         assert j.identities(job_id(JOB)) == [IDENTITY]
         ops = j.op_samples(job_id(JOB), IDENTITY)
         settings = j.partition_samples(job_id(JOB), IDENTITY)
     # composition's numbers: runs of ops, and settings the searches did not take
     searched = len(ps.keys) * CONFIG.budget
-    assert len(ops) + len(settings) - searched == result.composition_needed
+    # (the runs of ops include the wait transients the composition measured)
+    assert (len(ops) + len(settings) - searched
+            == result.steps.needed + result.steps.transients)
     assert {f for _sig, f, _sms in ops} == {1410, 1200}
     assert {k for k, _, _ in seen} == {*ps.keys, COMPOSITION}
-    assert seen[-1] == (COMPOSITION, result.composition_needed, result.composition_needed)
+    assert seen[-1] == (COMPOSITION, result.steps.needed, result.steps.needed)
 
 
 def test_a_second_run_measures_nothing(profiled):
@@ -87,7 +89,7 @@ def test_a_second_run_measures_nothing(profiled):
     assert [r.samples for r in again.searches] == [
         [type(s)(s.knobs, s.measurement, reused=True) for s in r.samples]
         for r in first.searches]
-    assert again.composition_needed == again.composition_measured == 0
+    assert again.steps is not None and again.steps.needed == again.steps.measured == 0
 
 
 def test_a_unit_whose_rank_dies_is_retried_without_measuring_again(

@@ -57,6 +57,8 @@ class JournaledBackend(WrappedBackend):
             journal.register_backend(self._identity, backend_info(inner))
         self._partitions = journal.partition_samples(job_id, self._identity)
         self._ops = journal.op_samples(job_id, self._identity)
+        self._fitted = journal.fitted(job_id, self._identity)
+        self._fitted_used: dict[Need, None] = {}
         self.counts: Counter[str] = Counter()
         """Answers given, by origin ("journal", "measured", "filled")."""
         self._filled: dict[Need, None] = {}
@@ -96,6 +98,8 @@ class JournaledBackend(WrappedBackend):
     def answer(self, need: Need) -> Answer:
         hit = self._lookup(need)
         if hit is not None:
+            if self.fitted_error(need) is not None:
+                self._fitted_used[need] = None
             return self._count(Answer(hit, "journal"))
         if self.fill is not None and not self.holds(need):
             self._filled[need] = None
@@ -117,6 +121,31 @@ class JournaledBackend(WrappedBackend):
     def filled(self) -> list[Need]:
         """What ``fill`` answered, in order."""
         return list(self._filled)
+
+    @property
+    def fitted_used(self) -> list[Need]:
+        """The answers that were fitted numbers from the journal (not measurements), in
+        order (kareus.workflows.step_fit)."""
+        return list(self._fitted_used)
+
+    def fitted_error(self, need: Need) -> tuple[float, float] | None:
+        """The held-out (time, energy) errors of the fit that gave the journal's number for
+        ``need``; None where it was measured (or is not journaled)."""
+        return self._fitted.get(_fitted_key(need))
+
+    def store_fitted(self, need: Need, m: Measurement, time_rel_error: float,
+                     energy_rel_error: float, measured_freqs_mhz: Sequence[int]) -> None:
+        """Journal a fitted number for ``need`` (and that it was fitted); later answers to
+        ``need`` are it."""
+        kind, key, _f, _n, _slot = fit_key = _fitted_key(need)
+        if self.record:
+            self.journal.record_fitted(self.job_id, self._identity, kind, key, need.knobs, m,
+                                       time_rel_error, energy_rel_error, measured_freqs_mhz)
+        if need.partition is not None:
+            self._partitions[(need.partition, need.knobs)] = m
+        else:
+            self._ops[(key, need.knobs.freq_mhz, need.knobs.sms)] = m
+        self._fitted[fit_key] = (time_rel_error, energy_rel_error)
 
     def samples(self, key: str) -> list[tuple[Knobs, Measurement]]:
         """Every journaled setting of partition ``key``, in a stable order (a search's
@@ -148,6 +177,14 @@ class JournaledBackend(WrappedBackend):
     def _count(self, a: Answer) -> Answer:
         self.counts[a.origin] += 1
         return a
+
+
+def _fitted_key(need: Need) -> tuple[str, str, int, int, str | None]:
+    k = need.knobs
+    if need.partition is not None:
+        return ("partition", need.partition, k.freq_mhz, k.sms, k.slot)
+    assert need.ops_key is not None
+    return ("ops", need.ops_key, k.freq_mhz, k.sms, None)
 
 
 class JournalOnly:

@@ -1,9 +1,12 @@
 """The real-GPU backend: a partition's real kernels, measured with the GPU's energy counter.
 
 Measurement protocol (docs/anchors.md §4, configurable): lock the clock (only with
---allow-clock-changes) and wait `settle_s` after a change; warm up; repeat the partition
-for at least `window_s` seconds between two reads of the energy counter; wait
-`cooldown_s`. Time and energy per run are the window's totals over the repetitions.
+--allow-clock-changes); wait until `settle_s` has passed since a change and `cooldown_s`
+since the previous window ended; warm up; repeat the partition for at least `window_s`
+seconds between two reads of the energy counter. Time and energy per run are the window's
+totals over the repetitions. The clock changes at the start of the cooldown, so the
+settle runs inside it: a measurement costs window + max(cooldown, settle), and nothing
+waits after the last one (`MeasurementProtocol.cost_s`).
 Static energy uses the catalog's static power (or one measured on the spot and passed in),
 and the Measurement records which.
 
@@ -74,6 +77,10 @@ class NvmlBackend:
         self._runners: dict[tuple[str, int, str | None], Runner] = {}
         self._collectives: dict[tuple[str, int], Callable[[], object]] = {}
         self._op_runs: dict[tuple[tuple[Op, ...], int], list[Callable[[], object]]] = {}
+        self._window_ended: float | None = None
+        """When the last measurement's window ended (its cooldown began)."""
+        self._clock_changed: float | None = None
+        """When the clock was last locked to another value (its settle began)."""
 
     def identity(self) -> str:
         """``nvml:<GPU>``, plus ``:static=<W>W`` when the static power was measured on the
@@ -113,7 +120,7 @@ class NvmlBackend:
         if self.guard.allow_changes:
             if self.guard.locked_mhz != freq_mhz:
                 self.guard.lock(freq_mhz)
-                time.sleep(self.protocol.settle_s)
+                self._clock_changed = time.perf_counter()
             return
         current = self.device.current_sm_clock_mhz()
         if freq_mhz != current:
@@ -188,8 +195,19 @@ class NvmlBackend:
             self._runners[key] = self._runtime.runner(partition, knobs.slot, coll)
         return self._runners[key]
 
+    def _rest(self) -> None:
+        """Wait out the previous window's cooldown and the clock's settle, together."""
+        now = time.perf_counter()
+        until = max(self._window_ended + self.protocol.cooldown_s
+                    if self._window_ended is not None else now,
+                    self._clock_changed + self.protocol.settle_s
+                    if self._clock_changed is not None else now)
+        if until > now:
+            time.sleep(until - now)
+
     def _measure_window(self, run: Callable[[], object], sync: Callable[[], None]
                         ) -> Measurement:
+        self._rest()
         for _ in range(self.warmup_runs):
             run()
         sync()
@@ -209,7 +227,7 @@ class NvmlBackend:
                 sync()
         sync()
         t1, e1 = time.perf_counter(), self.device.energy_j()
-        time.sleep(self.protocol.cooldown_s)
+        self._window_ended = t1
         # raw energy: a dynamic energy below zero means the static power is set too high,
         # which the user should see rather than have hidden
         time_s, energy_j = (t1 - t0) / runs, (e1 - e0) / runs

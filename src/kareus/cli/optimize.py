@@ -93,10 +93,13 @@ def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
                   f"the method is that fast (that frugal), or the method is {ref}.")
     if result.sources is not None:
         filled = result.sources["filled"]
+        fitted = (result.sources.get("fitted") or {}).get("count", 0)
         console.print(f"composed from {result.sources['measurements']} "
                       f"({result.sources['backend']})" + (
                           f"; {len(filled)} numbers from the {result.sources['filled_from']}"
-                          if filled else "; every number measured"))
+                          if filled else "; every number from the journal") + (
+                          f", {fitted} of them fitted at clocks not measured (docs/gpu.md)"
+                          if fitted else ""))
     err = result.validation_max_error
     simulated, total = result.validated_plans()
     check = ("not validated (no cost model for this backend)" if err is None

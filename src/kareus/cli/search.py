@@ -10,7 +10,7 @@ from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
-from kareus.errors import KareusError
+from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
@@ -18,6 +18,7 @@ from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec, prepare_search
 from kareus.workflows.profiling import prepare_profile
 from kareus.workflows.progress import ProgressBars
+from kareus.workflows.step_fit import FitPolicy
 from kareus.workload.workload import Workload
 
 
@@ -142,6 +143,16 @@ def profile(
     ray_retries: Annotated[int, typer.Option(
         "--ray-retries", help="With --executor ray: how often a partition whose node or "
                               "rank died is started again elsewhere.")] = 2,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print what the profile would measure and its estimated GPU and "
+                          "wall time, and measure nothing.", metavar="")] = False,
+    max_hours: Annotated[Optional[float], typer.Option(
+        "--max-hours", help="Refuse a profile whose estimated GPU time exceeds this many "
+                            "node-hours.")] = None,
+    every_clock: Annotated[bool, typer.Option(
+        "--every-clock", help="Measure each step outside partitions at every clock instead "
+                              "of at a few, fitting the others (docs/gpu.md).",
+        metavar="")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Measure everything composing a plan needs, journaling each number before use
@@ -162,16 +173,40 @@ def profile(
     # the protocol (--window, --cooldown, --settle) is the backend's
     config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
                           tolerance=tolerance)
+    if max_hours is not None and not max_hours > 0:
+        raise SpecError(f"--max-hours must be positive, got {max_hours}")
     run = prepare_profile(workload, journal, backend, config, partition,
                           composition=not partitions_only, executor=executor,
-                          retries=ray_retries)
+                          retries=ray_retries, policy=FitPolicy(enabled=not every_clock),
+                          dry_run=dry_run)
     if run.quiet:  # under torchrun: only rank 0 reports
         run.run()
         return
-    if json_out:
-        print_json({"schema_version": SCHEMA_VERSION, "journal": journal,
-                    **run.run().to_dict()})
+    try:
+        estimate = run.estimate()
+        if max_hours is not None and estimate.node_hours > max_hours:
+            raise SpecError(f"the profile's estimate, {estimate.node_hours:.2f} node-hours "
+                            f"({estimate.measurements:,} measurements), exceeds --max-hours "
+                            f"{max_hours:g}; lower --budget, profile fewer --partition, or "
+                            f"raise --max-hours")
+    except BaseException:
+        if run.lock is not None:
+            run.lock.release()
+        raise
+    if dry_run:
+        if json_out:
+            print_json({"journal": journal, **estimate.to_dict()})
+        else:
+            for line in estimate.lines():
+                console.print(line)
         return
+    if json_out:
+        result = run.run()
+        print_json({"schema_version": SCHEMA_VERSION, "journal": journal,
+                    **result.to_dict(), "estimate": estimate.to_dict()})
+        return
+    for line in estimate.lines():
+        console.print(line)
     with ProgressBars(run.keys, stderr_console()) as bars:
         result = run.run(bars.update)
         bars.finish(result.searches)
@@ -179,6 +214,13 @@ def profile(
     reused = sum(r.reused_from_journal for r in result.searches)
     console.print(f"profiled {len(result.searches)} partitions: {measured} settings "
                   f"measured, {reused} already in {journal}")
-    if not partitions_only:
-        console.print(f"steps outside partitions: {result.composition_measured} measured "
-                      f"of {result.composition_needed} missing from the journal")
+    if result.steps is not None:
+        st = result.steps
+        console.print(
+            f"steps outside partitions: {st.needed} missing from the journal, {st.measured} "
+            f"measured, {st.fitted} fitted (held-out error at most {st.max_time_fit_error:.2%}"
+            f" in time, {st.max_energy_fit_error:.2%} in energy; {st.failed_series} of "
+            f"{st.series} steps failed the check and were measured at every clock)")
+    if result.cost is not None:
+        for line in result.cost.lines():
+            console.print(line)

@@ -72,4 +72,6 @@ class MeasurementProtocol:
     settle_s: float = 2.0
 
     def cost_s(self, clock_changed: bool = True) -> float:
-        return self.window_s + self.cooldown_s + (self.settle_s if clock_changed else 0.0)
+        """One measurement after another: its window, and the cooldown after the previous
+        one, inside which a clock change settles (kareus.backends.nvml)."""
+        return self.window_s + max(self.cooldown_s, self.settle_s if clock_changed else 0.0)

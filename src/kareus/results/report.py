@@ -143,7 +143,14 @@ def _sources_lines(sources: dict[str, Any] | None) -> list[str]:
                       f"from measurements** (`--fill-missing {sources['filled_from']}`):", ""]
         lines += [f"- {n}" for n in filled]
     else:
-        lines += ["Every number is a measurement from the journal."]
+        lines += ["Every number is from the journal."]
+    fitted = sources.get("fitted") or {}
+    if fitted.get("count"):
+        lines += ["", f"{fitted['count']} of those numbers were fitted, not measured: steps "
+                      f"outside partitions measured at a few clocks by `kareus profile` and "
+                      f"fitted at the others, each fit checked at a held-out clock (largest "
+                      f"held-out error {fitted['max_time_rel_error']:.2%} in time, "
+                      f"{fitted['max_energy_rel_error']:.2%} in energy; docs/gpu.md)."]
     return [*lines, ""]
 
 

@@ -194,8 +194,18 @@ class OptimizeRun:
         self.timings["compose"] = time.perf_counter() - t0
         sources = {"measurements": journal, "backend": replay.identity(),
                    "filled_from": self.fill.name if self.fill and replay.filled else None,
-                   "filled": [n.describe() for n in replay.filled]}
+                   "filled": [n.describe() for n in replay.filled],
+                   "fitted": _fitted_summary(replay)}
         return searches, composer, solved, sources
+
+
+def _fitted_summary(replay: JournaledBackend) -> dict[str, Any]:
+    """How many of the numbers composition used were fitted rather than measured
+    (kareus.workflows.step_fit), and the largest held-out error of their fits."""
+    errors = [e for n in replay.fitted_used if (e := replay.fitted_error(n)) is not None]
+    return {"count": len(errors),
+            "max_time_rel_error": max((abs(t) for t, _e in errors), default=0.0),
+            "max_energy_rel_error": max((abs(e) for _t, e in errors), default=0.0)}
 
 
 def _measured_composer(workload: Workload, journal: str, identity: str | None,

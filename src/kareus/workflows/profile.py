@@ -32,11 +32,14 @@ from kareus.backends.needs import Need
 from kareus.backends.registry import BackendSpec
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, KeyFrontiers, key_frontiers
+from kareus.core import Measurement, MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import Method, all_methods, runnable_methods
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.store import Journal
+from kareus.workflows.profile_cost import CostSummary, StepsOutcome
+from kareus.workflows.step_fit import FitPolicy, measure_steps
 from kareus.workload.workload import Workload
 
 ProfileProgress = Callable[[str, int, int], None]
@@ -49,19 +52,37 @@ COMPOSITION = "composition steps"
 @dataclass
 class ProfileResult:
     searches: list[SearchResult]
-    composition_needed: int = 0
-    """Measurements outside the searches that composition uses and the journal lacked
-    (0: not profiled)."""
-    composition_measured: int = 0
-    """Of those, measured by this run."""
+    steps: StepsOutcome | None = None
+    """The steps outside partitions (None: not profiled, ``--partitions-only``)."""
     identity: str = ""
     """The measuring backend's identity: its measurements' key in the journal."""
+    cost: CostSummary | None = None
+    """What the run measured and its protocol cost (also in the journal's profile_runs)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"searches": [s.to_dict() for s in self.searches],
-                "composition_needed": self.composition_needed,
-                "composition_measured": self.composition_measured,
+                "steps": self.steps.to_dict() if self.steps is not None else None,
+                "cost": self.cost.to_dict() if self.cost is not None else None,
                 "backend": self.identity}
+
+    def summarise(self, workload: Workload, protocol: MeasurementProtocol,
+                  parallel_groups: int = 1) -> CostSummary:
+        """The run's cost, from what it measured (`cost`)."""
+        steps = self.steps or StepsOutcome()
+        per_search = [s.profiling_cost_s for s in self.searches]
+        part_cost = sum(per_search)
+        wall = (max(per_search, default=0.0) if parallel_groups > 1 else part_cost)
+        self.cost = CostSummary(
+            partition_settings=sum(s.measured_this_run for s in self.searches),
+            partition_cost_s=part_cost, steps_measured=steps.measured,
+            steps_fitted=steps.fitted, steps_cost_s=steps.cost_s,
+            transients=steps.transients,
+            group_gpus=max((workload[k].collective.group_size for k in workload.keys),
+                           default=1),
+            gpus_per_node=workload.job.gpus_per_node, parallel_groups=parallel_groups,
+            wall_s=wall + steps.cost_s, protocol=protocol, estimate=False,
+            partitions=len(self.searches))
+        return self.cost
 
 
 def torchrun_rank() -> int:
@@ -82,10 +103,11 @@ def check_profile(workload: Workload, backend: BackendSpec, config: SearchConfig
 def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
             config: SearchConfig | None = None, keys: Sequence[str] | None = None,
             progress: ProfileProgress | None = None, composition: bool = True,
-            checked: bool = False) -> ProfileResult:
+            checked: bool = False, policy: FitPolicy | None = None) -> ProfileResult:
     """Profile the partitions ``keys`` (default: all) and, with ``composition``, every
     number composing the job's iteration needs. ``checked``: the caller checked the
-    inputs already (`check_profile`)."""
+    inputs already (`check_profile`). ``policy``: how the steps outside partitions are
+    measured (default: a few clocks each, the others fitted)."""
     from kareus.gpu.distributed import torchrun_group  # torch only where a group runs
 
     cfg = config or SearchConfig()
@@ -116,9 +138,11 @@ def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                                            agree=group.agree if several else None))
             result = ProfileResult(searches, identity=measured.identity())
             if composition:
-                result.composition_needed, result.composition_measured = \
-                    measure_composition(workload, measured, (
-                        lambda d, n: progress(COMPOSITION, d, n)) if progress else None)
+                result.steps = measure_composition(workload, measured, (
+                    lambda d, n: progress(COMPOSITION, d, n)) if progress else None, policy)
+            cost = result.summarise(workload, measured.protocol)
+            if group.rank == 0:
+                store.record_profile_run(measured.job_id, measured.identity(), cost.to_dict())
         return result
 
 
@@ -128,30 +152,53 @@ def journal_frontiers(workload: Workload, backend: JournaledBackend) -> KeyFront
 
 
 def measure_composition(workload: Workload, backend: JournaledBackend,
-                        report: Callable[[int, int], None] | None = None
-                        ) -> tuple[int, int]:
-    """Measure what composing every method needs and the journal lacks, one clock at a
-    time from the highest, then the wait transients its plans charge, journaling each
-    number; ``report(done, total)`` after each step. Returns (lacking, measured)."""
+                        report: Callable[[int, int], None] | None = None,
+                        policy: FitPolicy | None = None) -> StepsOutcome:
+    """Measure what composing every method needs and the journal lacks, journaling each
+    number: the steps outside partitions as ``policy`` says (default: a few clocks per
+    step measured, the others fitted; kareus.workflows.step_fit), one clock at a time
+    from the highest; then the wait transients its plans charge. ``report(done, total)``
+    after each step."""
+    policy = policy or FitPolicy()
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
     needs = composer.needs(_runnable(workload), journal_frontiers(workload, backend))
-    todo = sorted(backend.lacks(needs), key=lambda n: -n.knobs.freq_mhz)
+    todo = backend.lacks(needs)
     before = backend.measured
+    outcome = StepsOutcome(needed=len(todo))
+    done = 0
     if report is not None:
         report(0, len(todo))
-    for i, need in enumerate(todo, 1):
-        composer.answer_all([need])
-        if report is not None:
-            report(i, len(todo))
+
+    def measure(batch: Sequence[Need]) -> list[Measurement]:
+        nonlocal done
+        out = []
+        for need in batch:
+            got = backend.answer(need)
+            if got.origin == "measured":
+                outcome.charge(backend.protocol, need.knobs.freq_mhz)
+            out.append(got.measurement)
+            done += 1
+            if report is not None:
+                report(done, len(todo))
+        return out
+
+    fit = measure_steps(todo, measure, policy)
+    for need, (m, info) in fit.fitted.items():
+        backend.store_fitted(need, m, info.time_rel_error, info.energy_rel_error,
+                             info.measured_freqs_mhz)
+        outcome.note_fit(info)
+    outcome.fitted = len(fit.fitted)
+    outcome.series, outcome.failed_series = fit.series, fit.failed_series
+    if report is not None:
+        report(len(todo), len(todo))
     # wait transients (kareus.compose.transient): which option runs after which wait is
     # known only when a plan is evaluated, so every method is composed once, as optimize
     # composes it; evaluating its plans measures and journals the transients they charge
     steps = backend.measured
     method_frontiers(composer, _runnable(workload), journal_frontiers(workload, backend))
-    needed = len(todo) + backend.measured - steps  # the transients the journal lacked
-    if report is not None and needed > len(todo):
-        report(needed, needed)
-    return needed, backend.measured - before
+    outcome.transients = backend.measured - steps
+    outcome.measured = steps - before
+    return outcome
 
 
 def composition_needs(workload: Workload, backend: JournaledBackend) -> list[Need]:

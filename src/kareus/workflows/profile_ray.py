@@ -27,7 +27,7 @@ from typing import Any
 from kareus.backends.agreed import AgreedBackend
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.registry import BackendSpec
-from kareus.core import Knobs, Measurement
+from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
 from kareus.ray_support import import_ray, ray_session
@@ -41,6 +41,8 @@ from kareus.workflows.profile import (
     check_profile,
     measure_composition,
 )
+from kareus.workflows.profile_cost import StepsOutcome
+from kareus.workflows.step_fit import FitPolicy
 from kareus.workload.workload import Workload
 
 DIE_ENV = "KAREUS_TEST_RAY_DIE"
@@ -86,6 +88,22 @@ class ProxyJournal:
         self._send("ops", jid, ops, backend, freq_mhz, sms, m)
         self.ops.setdefault(backend, {}).setdefault((ops, freq_mhz, sms), m)
 
+    def record_fitted(self, jid: str, backend: str, kind: str, key: str, knobs: Knobs,
+                      m: Measurement, time_rel_error: float, energy_rel_error: float,
+                      measured_freqs_mhz: Sequence[int]) -> None:
+        self._send("fitted", jid, backend, kind, key, knobs, m, time_rel_error,
+                   energy_rel_error, tuple(measured_freqs_mhz))
+        if kind == "partition":
+            self.partitions.setdefault(backend, {}).setdefault((key, knobs), m)
+        else:
+            self.ops.setdefault(backend, {}).setdefault((key, knobs.freq_mhz, knobs.sms), m)
+
+    def fitted(self, jid: str, backend: str) -> dict[tuple[str, str, int, int, str | None],
+                                                     tuple[float, float]]:
+        """None from the snapshot: a rank asks only to know what it answers from the
+        journal, and the steps (all that is fitted) are measured by one unit."""
+        return {}
+
     def samples(self, jid: str, partition: str, backend: str) -> list[StoredSample]:
         return [StoredSample(k, m) for (p, k), m in
                 self.partition_samples(jid, backend).items() if p == partition]
@@ -114,6 +132,8 @@ class RankTask:
     config: SearchConfig
     sink: Any
     die_after: int | None = None
+    policy: FitPolicy = field(default_factory=FitPolicy)
+    """How the steps outside partitions are measured (the `COMPOSITION` unit)."""
 
 
 class RankActor:
@@ -142,8 +162,8 @@ class RankActor:
                 # kareus.workflows.profile: the nvml backend refuses while the GPU runs
                 # another
                 if task.key == COMPOSITION:
-                    needed, measured = measure_composition(workload, be, report)
-                    return {"needed": needed, "measured": measured} if record else None
+                    outcome = measure_composition(workload, be, report, task.policy)
+                    return {**outcome.to_dict(), "backend": be.identity()} if record else None
                 result = run_search(workload[task.key], be, workload.job.freqs_mhz,
                                     task.config, progress=report, agree=group.agree)
                 return result.to_dict() if record else None
@@ -194,7 +214,8 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                 config: SearchConfig | None = None, keys: Sequence[str] | None = None,
                 progress: ProfileProgress | None = None, composition: bool = True,
                 executor: ExecutorSpec | None = None, retries: int = 2,
-                placement_timeout_s: float = 600.0, checked: bool = False) -> ProfileResult:
+                placement_timeout_s: float = 600.0, checked: bool = False,
+                policy: FitPolicy | None = None) -> ProfileResult:
     """`kareus.workflows.profile.profile` with each partition's TP/CP group a unit of work on
     the Ray cluster at ``executor.ray_address`` (default: a local Ray), units in parallel;
     the journal is written here only. A unit whose node dies is retried up to ``retries``
@@ -215,14 +236,20 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
     with ray_session(ex.ray_address) as ray, Journal(journal) as store:
         driver = _Driver(ray, store, workload, backend, cfg, progress, retries,
                          placement_timeout_s)
+        driver.policy = policy or FitPolicy()
         try:
             docs = driver.run_all([_Unit(k, size_of[k]) for k in keys])
             result = ProfileResult([SearchResult.from_dict(docs[k]) for k in keys])
             if composition:
                 size = max(size_of.values())
                 doc = driver.run_all([_Unit(COMPOSITION, size)])[COMPOSITION]
-                result.composition_needed = int(doc["needed"])
-                result.composition_measured = int(doc["measured"])
+                result.steps = StepsOutcome.from_dict(doc)
+                result.identity = str(doc.get("backend", ""))
+            driver.drain()
+            cost = result.summarise(workload, backend.protocol or MeasurementProtocol(),
+                                    parallel_groups=max(1, len(keys)))
+            store.record_profile_run(store.register_job(workload.job),
+                                     result.identity or backend.name, cost.to_dict())
         finally:
             driver.drain()
             ray.kill(driver.queue.actor)
@@ -251,6 +278,7 @@ class _Driver:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.ray, self.store, self.backend, self.config = ray, store, backend, config
+        self.policy = FitPolicy()
         self.job, self.jid = workload.to_job_dict(), store.register_job(workload.job)
         self.progress, self.retries, self.timeout_s = progress, retries, placement_timeout_s
         self.gpu = backend.capabilities.real_gpu
@@ -290,7 +318,8 @@ class _Driver:
             for kind, *rest in self.queue.get_nowait_batch(n):
                 act: Any = {
                     "backend": self.store.register_backend, "record": self.store.record,
-                    "ops": self.store.record_ops}.get(kind, self.progress)
+                    "ops": self.store.record_ops,
+                    "fitted": self.store.record_fitted}.get(kind, self.progress)
                 if act is not None:
                     act(*rest)
 
@@ -311,7 +340,8 @@ class _Driver:
                                                   None if u.key == COMPOSITION else u.key))
         u.refs = [a.run.remote(address, snap, RankTask(
             self.job, u.key, r, u.size, self.backend, self.config, self.queue,
-            int(hook[2]) if hook[:2] == [u.key, str(r)] and not u.attempt else None))
+            int(hook[2]) if hook[:2] == [u.key, str(r)] and not u.attempt else None,
+            self.policy))
             for r, a in enumerate(u.actors)]
 
     def _poll(self, u: _Unit) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ on a Ray cluster (kareus.workflows.profile_ray)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kareus.backends.registry import BackendSpec
 from kareus.core.lock import Lock
@@ -19,7 +19,10 @@ from kareus.workflows.profile import (
     profile,
     torchrun_rank,
 )
+from kareus.workflows.profile_cost import CostSummary
+from kareus.workflows.profile_estimate import estimate_profile
 from kareus.workflows.profile_ray import profile_ray
+from kareus.workflows.step_fit import FitPolicy
 from kareus.workload.workload import Workload
 
 PROFILE_STRATEGIES = ("mbo", "exhaustive")
@@ -38,6 +41,8 @@ class ProfileRun:
     composition: bool
     executor: ExecutorSpec | None
     retries: int
+    policy: FitPolicy = field(default_factory=FitPolicy)
+    """How the steps outside partitions are measured."""
     lock: Lock | None = None
     """The journal's lock (`journal_lock`), taken by `prepare_profile` once every input
     was checked, released when `run` ends; None on a torchrun rank other than 0."""
@@ -46,6 +51,11 @@ class ProfileRun:
     def quiet(self) -> bool:
         """A torchrun rank other than 0: it measures and reports nothing."""
         return torchrun_rank() != 0
+
+    def estimate(self) -> CostSummary:
+        """What the run will measure and cost (`kareus profile --dry-run`)."""
+        return estimate_profile(self.workload, self.journal, self.backend, self.config,
+                                self.keys, self.composition, self.policy, self.executor)
 
     def run(self, progress: ProfileProgress | None = None) -> ProfileResult:
         """On the Ray cluster when the executor is Ray, else in this process (under
@@ -58,8 +68,8 @@ class ProfileRun:
         try:
             if self.executor is not None and self.executor.distributed:
                 return profile_ray(*args, executor=self.executor, retries=self.retries,
-                                   checked=True)
-            return profile(*args, checked=True)
+                                   checked=True, policy=self.policy)
+            return profile(*args, checked=True, policy=self.policy)
         finally:
             if held is not None:
                 held.release()
@@ -68,7 +78,8 @@ class ProfileRun:
 def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
                     config: SearchConfig, keys: Sequence[str] | None = None,
                     composition: bool = True, executor: ExecutorSpec | None = None,
-                    retries: int = 2) -> ProfileRun:
+                    retries: int = 2, policy: FitPolicy | None = None,
+                    dry_run: bool = False) -> ProfileRun:
     """`kareus profile`, checked before any work starts (and before any progress shows):
     the journal opens (or can be made: `check_journal`), the keys exist, the backend's and
     the search's settings hold (on Ray the GPU is checked where it opens, on a rank);
@@ -87,8 +98,10 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     if not chosen and not composition:
         raise SpecError(f"nothing to profile with --partitions-only: "
                         f"{workload.partitions.none_reason}")
+    policy = policy or FitPolicy()
+    policy.check()
     run = ProfileRun(workload, journal, backend, config, chosen, composition, executor,
-                     retries)
-    if not run.quiet:  # last: a refusal creates nothing
+                     retries, policy)
+    if not run.quiet and not dry_run:  # last: a refusal creates nothing
         run.lock = journal_lock(journal)
     return run

@@ -1,0 +1,138 @@
+"""`kareus profile --dry-run`: what a profile will measure and cost, before anything runs.
+
+Counts, per kind:
+- partition settings: the search's budget per partition (every setting for an exhaustive
+  profile), less what the journal holds of it: an upper bound, since the search stops
+  early once its hypervolume stops improving;
+- the steps outside partitions: the numbers composition needs and the journal lacks,
+  grouped by step, each measured at the clocks `kareus.workflows.step_fit` plans (the
+  anchors and a held-out clock) and fitted at the others; the bound if every fit failed
+  is every clock;
+- settles: the search measures each batch one clock at a time, so a batch of ``b``
+  settings over ``F`` clocks takes the expected number of distinct clocks,
+  ``F (1 - (1 - 1/F)^b)``; the steps are measured phase by phase, one clock at a time.
+
+What the journal holds is subtracted where the backend opens on this machine (the
+emulator, a replay); a real GPU's journal entries are keyed by its identity, which needs
+the GPU, so its estimate is of a profile from scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from kareus.backends.journaled import JournaledBackend
+from kareus.backends.needs import Need
+from kareus.backends.registry import BackendSpec, spec_from_options
+from kareus.compose.options import Composer, key_frontiers
+from kareus.core import MeasurementProtocol
+from kareus.search.loop import SearchConfig
+from kareus.store import Journal
+from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.profile import _runnable
+from kareus.workflows.profile_cost import CostSummary, expected_clock_changes
+from kareus.workflows.step_fit import FitPolicy, plan_anchors, planned_clocks, series_key
+from kareus.workload.workload import Workload
+
+
+def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
+                     config: SearchConfig, keys: Sequence[str], composition: bool = True,
+                     policy: FitPolicy | None = None, executor: ExecutorSpec | None = None
+                     ) -> CostSummary:
+    """The cost of ``kareus profile`` with these inputs (checked by the caller)."""
+    policy = policy or FitPolicy()
+    job = workload.job
+    protocol = backend.protocol or MeasurementProtocol()
+    nf = len(job.freqs_mhz)
+    with ExitStack() as stack:
+        measured = _journaled(workload, journal, backend, stack)
+        settings, part_cost, part_costs = 0, 0.0, []
+        for k in keys:
+            space = workload[k].knob_space_size(nf)
+            held = len(measured.samples(k)) if measured is not None else 0
+            n = max(0, (space if config.strategy == "exhaustive"
+                        else min(config.budget, space)) - held)
+            cost = n * (protocol.window_s + protocol.cooldown_s) + protocol.settle_s * (
+                _search_settles(n, nf, config))
+            settings += n
+            part_cost += cost
+            part_costs.append(cost)
+        steps, bound, steps_cost = (_steps(workload, measured, policy, protocol)
+                                    if composition else (0, 0, 0.0))
+    parallel = len(keys) if executor is not None and executor.distributed and keys else 1
+    wall = (max(part_costs, default=0.0) if parallel > 1 else part_cost) + steps_cost
+    group = max((workload[k].collective.group_size for k in workload.keys), default=1)
+    return CostSummary(
+        partition_settings=settings, partition_cost_s=part_cost, steps_measured=steps,
+        steps_fitted=bound - steps, steps_cost_s=steps_cost, transients=0,
+        group_gpus=group, gpus_per_node=job.gpus_per_node, parallel_groups=parallel,
+        wall_s=wall, protocol=protocol, estimate=True, partitions=len(keys),
+        steps_upper_bound=bound)
+
+
+def _journaled(workload: Workload, journal: str, backend: BackendSpec, stack: ExitStack
+               ) -> JournaledBackend | None:
+    """The journal through the profile's backend, where it opens here and the journal
+    exists (read only); else None: nothing is subtracted."""
+    if backend.capabilities.real_gpu or not Path(journal).is_file():
+        return None
+    store = stack.enter_context(Journal(journal))
+    inner = stack.enter_context(backend.open(workload))
+    return JournaledBackend(inner, store, store.register_job(workload.job), record=False)
+
+
+def _search_settles(n: int, clocks: int, config: SearchConfig) -> float:
+    """Expected clock changes of a search measuring ``n`` settings: its initial design,
+    then batches, each measured one clock at a time."""
+    if config.strategy == "exhaustive":
+        return float(min(n, clocks))
+    first = min(n, config.initial_size(with_prior=False))
+    total = expected_clock_changes(first, clocks)
+    left = n - first
+    while left > 0:
+        b = min(config.batch_size, left)
+        total += expected_clock_changes(b, clocks)
+        left -= b
+    return total
+
+
+def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPolicy,
+           protocol: MeasurementProtocol) -> tuple[int, int, float]:
+    """(measured, measured at most, protocol seconds) of the steps outside partitions."""
+    if measured is not None:
+        return _count_steps(workload, measured, policy, protocol)
+    # nothing journaled: the needs' structure alone, which any backend enumerates
+    with spec_from_options("emulator", {}).open(workload) as emulator:
+        return _count_steps(workload, JournaledBackend.in_memory(emulator, workload.job),
+                            policy, protocol)
+
+
+def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolicy,
+                 protocol: MeasurementProtocol) -> tuple[int, int, float]:
+    composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
+    fronts = key_frontiers({k: backend.samples(k) for k in workload.keys})
+    todo = [n for n in backend.lacks(composer.needs(_runnable(workload), fronts))
+            if n.transient is None]
+    series: dict[tuple, list[Need]] = {}
+    for n in todo:
+        series.setdefault(series_key(n), []).append(n)
+    clocks_of = {k: sorted({n.knobs.freq_mhz for n in v}, reverse=True)
+                 for k, v in series.items()}
+    planned = {k: planned_clocks(c, policy) for k, c in clocks_of.items()}
+    measured = sum(len(c) for c in planned.values())
+    # measured phase by phase (kareus.workflows.step_fit), each one clock at a time: the
+    # anchors with the steps measured at every clock, then the held-out clocks
+    first: set[int] = set()
+    checks: set[int] = set()
+    for k, clocks in planned.items():
+        if len(clocks) == len(series[k]):
+            first.update(clocks)
+            continue
+        anchors = plan_anchors(clocks_of[k], policy.anchors)
+        first.update(anchors)
+        checks.update(set(clocks) - set(anchors))
+    cost = (measured * (protocol.window_s + protocol.cooldown_s)
+            + (len(first) + len(checks)) * protocol.settle_s)
+    return measured, len(todo), cost

@@ -1,0 +1,281 @@
+"""The steps outside partitions measured at a few clocks, the others fitted (issue 25).
+
+Composition needs every step outside the partitions (each instruction's fixed steps, the
+baselines' steps, transfers, the data-parallel sync) at every clock of the job's list: a
+series of numbers per step that differ in the clock alone. On a GPU each costs a full
+measurement (a 5 s window and a 5 s cooldown), so a step of a few milliseconds used to cost
+18 measurements. A step's time and energy are smooth in the clock where the GPU runs the
+clock it was set to:
+
+- time ``t(f) = a + b / f``: the part bound by the SM clock scales with 1/f, the rest
+  (memory, links, launch) does not;
+- dynamic energy ``e(f) = c0 + c1 f + c2 f^2``: dynamic power grows with the clock and the
+  voltage, which rises with it, so energy per step is convex in the clock.
+
+So each series is measured at ``anchors`` clocks spread over its range (both ends
+included), fitted by least squares on relative errors, and checked at one more clock held
+out of the fit (the middle of the widest gap between measured clocks). The fit is kept
+when the held-out error is within ``tolerance``, or within three times the relative spread
+of the fit's own residuals where measurements are noisier than that (a fit cannot be
+checked more finely than the numbers it is checked against). A series that fails the check
+is measured at every clock.
+
+Where the power limiter holds a step below its set clock (an anchor's effective clock below
+the set one) neither curve holds: the limiter, not the clock, sets the speed. The
+throttling only grows with the clock, so every clock above the highest unthrottled anchor
+is measured, and only the unthrottled clocks are fitted.
+
+Every fitted number is journaled as fitted, with the series' held-out errors and the
+clocks that were measured (`kareus.store.Journal.record_fitted`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kareus.backends.needs import Need
+from kareus.core import Measurement
+
+THROTTLED_BELOW = 1e-3
+"""A measurement whose effective clock is this fraction below its set clock was held down
+by the power limiter."""
+
+
+@dataclass(frozen=True)
+class FitPolicy:
+    """How the steps outside partitions are measured."""
+
+    enabled: bool = True
+    """False: every clock of every step is measured (the way before issue 25)."""
+    anchors: int = 5
+    """Clocks measured per step, both ends of the range included (one more is held out)."""
+    tolerance: float = 0.01
+    """Held-out relative error (time and dynamic energy) a fit may have."""
+    min_clocks: int = 8
+    """A step with fewer clocks than this is measured at each: fitting saves too little."""
+
+    def check(self) -> None:
+        from kareus.errors import SpecError
+
+        if self.anchors < 3:
+            raise SpecError(f"step fits need at least 3 anchor clocks, got {self.anchors}")
+        if not 0 < self.tolerance < 1:
+            raise SpecError(f"the fit tolerance must be in (0, 1), got {self.tolerance}")
+
+
+@dataclass(frozen=True)
+class FitInfo:
+    """Where a fitted number comes from."""
+
+    time_rel_error: float
+    """The held-out clock's relative error of time (predicted / measured - 1)."""
+    energy_rel_error: float
+    """The same for dynamic energy."""
+    measured_freqs_mhz: tuple[int, ...]
+    """The clocks of the series that were measured (the fit's and the check's)."""
+
+
+@dataclass
+class StepFitReport:
+    measured: dict[Need, Measurement] = field(default_factory=dict)
+    fitted: dict[Need, tuple[Measurement, FitInfo]] = field(default_factory=dict)
+    failed_series: int = 0
+    """Series whose held-out check failed (then measured at every clock)."""
+    series: int = 0
+
+
+Measure = Callable[[Sequence[Need]], list[Measurement]]
+"""Measures needs in the given order (highest clock first) and returns their numbers."""
+
+
+def series_key(need: Need) -> tuple:
+    """What a need is apart from its clock."""
+    k = need.knobs
+    return (need.partition, need.ops_key, k.sms, k.slot)
+
+
+def plan_anchors(freqs_desc: Sequence[int], anchors: int) -> list[int]:
+    """``anchors`` clocks spread evenly (by position) over the series, both ends included."""
+    n = len(freqs_desc)
+    idx = sorted(set(np.round(np.linspace(0, n - 1, min(anchors, n))).astype(int).tolist()))
+    return [freqs_desc[i] for i in idx]
+
+
+def planned_clocks(freqs_desc: Sequence[int], policy: FitPolicy) -> list[int]:
+    """The clocks of a series that `measure_steps` measures where no clock is throttled
+    and the fit passes its check: the anchors and the held-out clock (every clock where
+    the series is not fitted)."""
+    if not policy.enabled or len(freqs_desc) < policy.min_clocks:
+        return list(freqs_desc)
+    anchors = plan_anchors(freqs_desc, policy.anchors)
+    check = _farthest_free(anchors, [f for f in freqs_desc if f not in anchors])
+    return anchors + ([check] if check is not None else [])
+
+
+def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy
+                  ) -> StepFitReport:
+    """Measure ``needs`` (none a wait transient) as ``policy`` says: each series at its
+    anchors, the throttled range and a held-out clock, the rest fitted; or all measured."""
+    series: dict[tuple, dict[int, Need]] = {}
+    for n in needs:
+        series.setdefault(series_key(n), {})[n.knobs.freq_mhz] = n
+    report = StepFitReport(series=len(series))
+
+    def take(batch: Iterable[Need]) -> None:
+        todo = sorted({n: None for n in batch if n not in report.measured},
+                      key=lambda n: (-n.knobs.freq_mhz, repr(series_key(n))))
+        report.measured.update(zip(todo, measure(todo), strict=True))
+
+    fitting = {k: v for k, v in series.items()
+               if policy.enabled and len(v) >= policy.min_clocks}
+    take(n for k, v in series.items() if k not in fitting for n in v.values())
+    take(v[f] for v in fitting.values() for f in plan_anchors(sorted(v, reverse=True),
+                                                              policy.anchors))
+    # the throttled top of a series: every clock above its highest unthrottled anchor
+    take(n for v in fitting.values() for n in _throttled_range(v, report.measured))
+    checks = {k: _check_clock(v, report.measured) for k, v in fitting.items()}
+    take(fitting[k][f] for k, f in checks.items() if f is not None)
+    failed: list[tuple] = []
+    for k, v in fitting.items():
+        result = _fit_series(v, report.measured, checks[k], policy)
+        if result is None:
+            failed.append(k)
+        else:
+            report.fitted.update(result)
+    report.failed_series = len(failed)
+    take(n for k in failed for n in fitting[k].values())
+    return report
+
+
+def _throttled(m: Measurement, freq_mhz: int) -> bool:
+    return m.effective_freq_mhz < freq_mhz * (1 - THROTTLED_BELOW)
+
+
+def _throttled_range(series: dict[int, Need], measured: dict[Need, Measurement]
+                     ) -> list[Need]:
+    known = {f: measured[n] for f, n in series.items() if n in measured}
+    if not any(_throttled(m, f) for f, m in known.items()):
+        return []
+    free = [f for f, m in known.items() if not _throttled(m, f)]
+    top_free = max(free, default=min(series))
+    return [n for f, n in series.items() if f > top_free and n not in measured]
+
+
+def _fit_points(series: dict[int, Need], measured: dict[Need, Measurement],
+                skip: int | None = None) -> list[tuple[int, Measurement]]:
+    """The measured, unthrottled clocks below every throttled one (the fit's range)."""
+    known = {f: measured[n] for f, n in series.items() if n in measured and f != skip}
+    ceiling = min((f for f, m in known.items() if _throttled(m, f)), default=None)
+    return sorted((f, m) for f, m in known.items()
+                  if not _throttled(m, f) and (ceiling is None or f < ceiling))
+
+
+def _check_clock(series: dict[int, Need], measured: dict[Need, Measurement]) -> int | None:
+    """The unmeasured clock of the fit's range farthest from every measured clock."""
+    points = [f for f, _m in _fit_points(series, measured)]
+    if len(points) < 3:
+        return None
+    return _farthest_free(points, [f for f, n in series.items() if n not in measured])
+
+
+def _farthest_free(points: Sequence[int], free: Sequence[int]) -> int | None:
+    """Of the ``free`` clocks strictly inside the range of ``points``, the one farthest
+    from every point (the highest of ties)."""
+    lo, hi = min(points), max(points)
+    inside = [f for f in free if lo < f < hi]
+    if not inside:
+        return None
+    return max(inside, key=lambda f: (min(abs(f - p) for p in points), f))
+
+
+@dataclass(frozen=True)
+class _Curves:
+    time: np.ndarray
+    energy: np.ndarray
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, Measurement]]) -> _Curves:
+        f = np.array([p[0] for p in points], dtype=float)
+        t = np.array([p[1].time_s for p in points])
+        e = np.array([p[1].dynamic_energy_j for p in points])
+        return cls(_relative_lstsq(_time_basis(f), t), _relative_lstsq(_energy_basis(f), e))
+
+    def predict(self, freq_mhz: float) -> tuple[float, float]:
+        f = np.array([float(freq_mhz)])
+        return (float((_time_basis(f) @ self.time)[0]),
+                float((_energy_basis(f) @ self.energy)[0]))
+
+    def spread(self, points: Sequence[tuple[int, Measurement]]) -> tuple[float, float]:
+        """The residuals' relative spread (time, energy), per degree of freedom."""
+        rt, re = [], []
+        for f, m in points:
+            t, e = self.predict(f)
+            rt.append(t / m.time_s - 1)
+            re.append(e / m.dynamic_energy_j - 1 if m.dynamic_energy_j else 0.0)
+        return (_rms(rt, len(points) - len(self.time)),
+                _rms(re, len(points) - len(self.energy)))
+
+
+def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
+                check: int | None, policy: FitPolicy
+                ) -> dict[Need, tuple[Measurement, FitInfo]] | None:
+    """The fitted numbers of the series' unmeasured clocks, or None where the held-out
+    check fails (or cannot be made)."""
+    if check is None:
+        rest = [n for n in series.values() if n not in measured]
+        return {} if not rest else None
+    points = _fit_points(series, measured, skip=check)
+    curves = _Curves.fit(points)
+    held = measured[series[check]]
+    t, e = curves.predict(check)
+    err_t = t / held.time_s - 1
+    err_e = e / held.dynamic_energy_j - 1 if held.dynamic_energy_j else 0.0
+    spread_t, spread_e = curves.spread(points)
+    if (abs(err_t) > max(policy.tolerance, 3 * spread_t)
+            or abs(err_e) > max(policy.tolerance, 3 * spread_e)):
+        return None
+    everything = _fit_points(series, measured)
+    curves = _Curves.fit(everything)  # the held-out clock joins the final fit
+    lo, hi = everything[0][0], everything[-1][0]
+    # static energy as the measurements count it: their static power times the time
+    static_w = float(np.median([m.static_energy_j / m.time_s for _f, m in everything]))
+    info = FitInfo(err_t, err_e, tuple(sorted(
+        (f for f, n in series.items() if n in measured), reverse=True)))
+    out: dict[Need, tuple[Measurement, FitInfo]] = {}
+    for f, n in series.items():
+        if n in measured:
+            continue
+        if not lo <= f <= hi:  # outside the fitted range: never extrapolated
+            return None
+        t, e = curves.predict(f)
+        if t <= 0 or e < 0:
+            return None
+        static_j = static_w * t
+        out[n] = (Measurement(t, static_j + e, static_j, e, (static_j + e) / t, float(f)),
+                  info)
+    return out
+
+
+def _time_basis(f: np.ndarray) -> np.ndarray:
+    return np.c_[np.ones_like(f), 1e3 / f]
+
+
+def _energy_basis(f: np.ndarray) -> np.ndarray:
+    x = f / 1e3
+    return np.c_[np.ones_like(x), x, x * x]
+
+
+def _relative_lstsq(basis: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of the relative errors (each row divided by its value)."""
+    scale = np.where(np.abs(y) > 0, np.abs(y), 1.0)
+    coef, *_ = np.linalg.lstsq(basis / scale[:, None], y / scale, rcond=None)
+    return coef
+
+
+def _rms(residuals: list[float], dof: int) -> float:
+    if dof <= 0:
+        return 0.0
+    return float(np.sqrt(np.sum(np.square(residuals)) / dof))
