@@ -175,3 +175,16 @@ def test_profile_of_an_unsplit_microbatch_measures_what_megatron_and_perseus_nee
                       "--journal", str(tmp_path / "k.sqlite"), "--partitions-only")
     assert refused.code == 2 and "nothing to profile" in refused.err
     assert len(refused.err.strip().splitlines()) == 1
+
+
+def test_a_noisy_profile_journals_every_transient_optimize_then_charges(tmp_path):
+    """The profile lists its needs before measuring the steps outside partitions, which
+    add settings to the partition fronts (each partition at its default SMs); with noise
+    such a setting can join a front, and composing from the recipes built before it used
+    to leave out transients `optimize --measurements` then asked for."""
+    path = str(tmp_path / "j.sqlite")
+    job = build_job("kareus-1", overrides={"search_freqs_mhz": (1410, 1200, 1020, 930)})
+    profile(job, path, EmulatorSpec(noise=0.03, seed=0), SearchConfig(budget=20, seed=0))
+    r = run_cli("optimize", "-p", "kareus-1", "--freqs", "1410,1200,1020,930", "--noise",
+                "0.03", "--measurements", path, "--out", str(tmp_path / "o"), "--json")
+    assert r.code == 0, r.err

@@ -65,7 +65,8 @@ class Composer:
         self.f_max = self.freqs[0]
         """The highest clock of the search list: the max-clock methods run there, and so
         do the pipeline transfers (a GPU profiled without clock changes has one clock)."""
-        self._recipes: dict[str, dict[tuple[int, str], list[Recipe]]] = {}
+        self._recipes: dict[str, tuple[KeyFrontiers | None,
+                                       dict[tuple[int, str], list[Recipe]]]] = {}
         self._answers: dict[Need, Measurement] = {}
         self.transient_note: str | None = None
         """Why no wait transient is charged (the backend cannot measure them), if so."""
@@ -117,8 +118,13 @@ class Composer:
 
     def _method_recipes(self, method: Method, fronts: KeyFrontiers | None
                         ) -> dict[tuple[int, str], list[Recipe]]:
-        if method.name in self._recipes:
-            return self._recipes[method.name]
+        searched = "searched" in method.options
+        hit = self._recipes.get(method.name)
+        # a searched method's recipes hold the partition fronts they were built from: a
+        # profile lists its needs before measuring the steps, which can add settings to
+        # the fronts (each partition at its default SMs), and composes after
+        if hit is not None and (not searched or hit[0] == fronts):
+            return hit[1]
         method.check_runs_on(self.ps.job)
         if method.needs_search and fronts is None:
             raise SpecError(f"{method.name} needs the partitions' search results")
@@ -137,7 +143,7 @@ class Composer:
                         else:
                             recipes.append(self._sequential(stage, d, f))
                 out[(stage, d)] = recipes
-        self._recipes[method.name] = out
+        self._recipes[method.name] = (fronts if searched else None, out)
         return out
 
     def _default_overlap(self, stage: int, d: str, f: int) -> Whole:

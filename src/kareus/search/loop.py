@@ -56,4 +56,4 @@ def run_search(partition: Partition, backend: JournalFirst, freqs_mhz: tuple[int
         state.record_hypervolume()
     return SearchResult(partition.key, config.strategy, config.seed,
                         list(state.samples.values()), state.history, state.measured,
-                        state.cost_s, stopped)
+                        state.cost_s, stopped, state.clock_changes)

@@ -43,6 +43,8 @@ class SearchResult:
     stopped: str
     """Why the search ended: "budget", "converged", "exhausted", or "journal" (a result
     read from a journal, not searched by this run)."""
+    clock_changes: int = 0
+    """Measurements this run took at another clock than the one before (each settles)."""
 
     @classmethod
     def from_journal(cls, partition: str,
@@ -85,6 +87,7 @@ class SearchResult:
             "hypervolume_history": [{"samples": n, "hypervolume": hv}
                                     for n, hv in self.hv_history],
             "profiling_cost_s": self.profiling_cost_s,
+            "clock_changes": self.clock_changes,
         }
 
     @classmethod
@@ -95,7 +98,7 @@ class SearchResult:
                    [(int(h["samples"]), float(h["hypervolume"]))
                     for h in doc["hypervolume_history"]],
                    int(doc["measured_this_run"]), float(doc["profiling_cost_s"]),
-                   str(doc["stopped"]))
+                   str(doc["stopped"]), int(doc.get("clock_changes", 0)))
 
 
 def frontier_hypervolume(points, worst=None) -> float:

@@ -53,6 +53,8 @@ class SearchState:
         self.cost_s = 0.0
         """Profiling cost of what this run measured: window and cooldown per setting, a
         settle per clock change."""
+        self.clock_changes = 0
+        """Measured settings at another clock than the one measured before."""
         self._last_freq: int | None = None
 
     @property
@@ -72,8 +74,9 @@ class SearchState:
             self.samples[k] = Sample(k, got.measurement, reused=got.reused)
             if got.origin == "measured":
                 self.measured += 1
-                self.cost_s += self.backend.protocol.cost_s(
-                    clock_changed=k.freq_mhz != self._last_freq)
+                changed = k.freq_mhz != self._last_freq
+                self.cost_s += self.backend.protocol.cost_s(clock_changed=changed)
+                self.clock_changes += int(changed)
                 self._last_freq = k.freq_mhz
             if self.progress is not None:
                 self.progress(len(self.samples), self.budget)

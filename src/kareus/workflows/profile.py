@@ -81,7 +81,8 @@ class ProfileResult:
                            default=1),
             gpus_per_node=workload.job.gpus_per_node, parallel_groups=parallel_groups,
             wall_s=wall + steps.cost_s, protocol=protocol, estimate=False,
-            partitions=len(self.searches))
+            partitions=len(self.searches),
+            clock_changes=sum(s.clock_changes for s in self.searches) + steps.settles)
         return self.cost
 
 

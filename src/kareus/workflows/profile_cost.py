@@ -90,6 +90,8 @@ class CostSummary:
     protocol: MeasurementProtocol
     estimate: bool
     partitions: int = 0
+    clock_changes: float = 0.0
+    """Measurements at another clock than the one before (expected, for an estimate)."""
     steps_upper_bound: int = 0
     """Estimate: the steps measured if every fit failed (every clock measured)."""
 
@@ -126,6 +128,7 @@ class CostSummary:
                 "node_hours": self.node_hours, "group_gpus": self.group_gpus,
                 "gpus_per_node": self.gpus_per_node,
                 "parallel_groups": self.parallel_groups,
+                "clock_changes": self.clock_changes,
                 "protocol": asdict(self.protocol)}
 
     def lines(self) -> list[str]:

@@ -48,19 +48,20 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
     nf = len(job.freqs_mhz)
     with ExitStack() as stack:
         measured = _journaled(workload, journal, backend, stack)
-        settings, part_cost, part_costs = 0, 0.0, []
+        settings, part_cost, part_costs, changes = 0, 0.0, [], 0.0
         for k in keys:
             space = workload[k].knob_space_size(nf)
             held = len(measured.samples(k)) if measured is not None else 0
             n = max(0, (space if config.strategy == "exhaustive"
                         else min(config.budget, space)) - held)
-            cost = n * (protocol.window_s + protocol.cooldown_s) + protocol.settle_s * (
-                _search_settles(n, nf, config))
+            settles = _search_settles(n, nf, config)
+            cost = _protocol_s(protocol, n, settles)
+            changes += settles
             settings += n
             part_cost += cost
             part_costs.append(cost)
-        steps, bound, steps_cost = (_steps(workload, measured, policy, protocol)
-                                    if composition else (0, 0, 0.0))
+        steps, bound, steps_cost, step_changes = (
+            _steps(workload, measured, policy, protocol) if composition else (0, 0, 0.0, 0))
     parallel = len(keys) if executor is not None and executor.distributed and keys else 1
     wall = (max(part_costs, default=0.0) if parallel > 1 else part_cost) + steps_cost
     group = max((workload[k].collective.group_size for k in workload.keys), default=1)
@@ -69,7 +70,15 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
         steps_fitted=bound - steps, steps_cost_s=steps_cost, transients=0,
         group_gpus=group, gpus_per_node=job.gpus_per_node, parallel_groups=parallel,
         wall_s=wall, protocol=protocol, estimate=True, partitions=len(keys),
-        steps_upper_bound=bound)
+        clock_changes=changes + step_changes, steps_upper_bound=bound)
+
+
+def _protocol_s(protocol: MeasurementProtocol, measurements: int, clock_changes: float
+                ) -> float:
+    """Protocol seconds of measurements taken one after another, ``clock_changes`` of them
+    at another clock than the one before (`MeasurementProtocol.cost_s`)."""
+    return (clock_changes * protocol.cost_s(clock_changed=True)
+            + (measurements - clock_changes) * protocol.cost_s(clock_changed=False))
 
 
 def _journaled(workload: Workload, journal: str, backend: BackendSpec, stack: ExitStack
@@ -99,8 +108,9 @@ def _search_settles(n: int, clocks: int, config: SearchConfig) -> float:
 
 
 def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPolicy,
-           protocol: MeasurementProtocol) -> tuple[int, int, float]:
-    """(measured, measured at most, protocol seconds) of the steps outside partitions."""
+           protocol: MeasurementProtocol) -> tuple[int, int, float, int]:
+    """(measured, measured at most, protocol seconds, clock changes) of the steps outside
+    partitions."""
     if measured is not None:
         return _count_steps(workload, measured, policy, protocol)
     # nothing journaled: the needs' structure alone, which any backend enumerates
@@ -110,7 +120,7 @@ def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPol
 
 
 def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolicy,
-                 protocol: MeasurementProtocol) -> tuple[int, int, float]:
+                 protocol: MeasurementProtocol) -> tuple[int, int, float, int]:
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
     fronts = key_frontiers({k: backend.samples(k) for k in workload.keys})
     todo = [n for n in backend.lacks(composer.needs(_runnable(workload), fronts))
@@ -133,6 +143,5 @@ def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolic
         anchors = plan_anchors(clocks_of[k], policy.anchors)
         first.update(anchors)
         checks.update(set(clocks) - set(anchors))
-    cost = (measured * (protocol.window_s + protocol.cooldown_s)
-            + (len(first) + len(checks)) * protocol.settle_s)
-    return measured, len(todo), cost
+    changes = len(first) + len(checks)
+    return measured, len(todo), _protocol_s(protocol, measured, changes), changes

@@ -1,0 +1,182 @@
+"""Profiling cost: what a full profile measures and costs, before and after issue 25, and
+what the cheaper profile does to the frontiers composed from it.
+
+For each job and seed, on the emulator with measurement noise (default 3%):
+- "before": `kareus profile` measuring every step outside partitions at every clock
+  (`--every-clock`), costed with the protocol as it was: window + cooldown per
+  measurement plus a settle per clock change;
+- "after": the default profile (steps at a few clocks, the rest fitted;
+  kareus.workflows.step_fit), costed with the settle inside the cooldown
+  (kareus.backends.nvml), and its dry-run estimate against the cost the run recorded;
+- per method, the frontier `kareus optimize --measurements` composes from each journal:
+  the "after" frontier's energy over the "before" one's at equal time, over their common
+  time range (the largest deviation either way); once as composed (each from its own
+  noisy numbers: a frontier composed from noisy per-clock numbers looks cheaper than it
+  is where the solver picks the clocks the noise made look cheap, and fitted curves
+  smooth that away) and once with the same plans run by the noise-free emulator as whole
+  iterations, which is what a plan really costs.
+
+Node-hours are GPU time over the job's GPUs per node. Medians over the seeds. The
+searches are the same in both profiles (the emulator's noise depends on the seed and
+what is measured), so the frontiers differ by the steps alone. The emulator measures
+nothing in real seconds: the costs are the protocol's, counted, not timed.
+
+    python benchmarks/profiling_cost.py [--seeds 3] [--jobs kareus-1,kareus-2,...]
+        [--noise 0.03] [--budget 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import numpy as np
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+JOBS = ("kareus-1", "kareus-2", "llama3.3-70b-64gpu")
+SIMULATED = 24
+"""Plans per method run as whole iterations for their true cost (a stratified sample)."""
+
+
+def _old_protocol_s(cost: dict) -> float:
+    """The cost as the protocol was before the settle ran inside the cooldown."""
+    pr = cost["protocol"]
+    return (cost["measurements"] * (pr["window_s"] + pr["cooldown_s"])
+            + cost["clock_changes"] * pr["settle_s"])
+
+
+def _frontier_gap(a: list[tuple[float, float]], b: list[tuple[float, float]]
+                  ) -> tuple[float, float]:
+    """(lowest, highest) of b's energy over a's at equal time, over the common range; for
+    one-plan methods (one clock everywhere) the plans' energies."""
+    a, b = _pareto(a), _pareto(b)
+    ta, ea = np.array([p[0] for p in a]), np.array([p[1] for p in a])
+    tb, eb = np.array([p[0] for p in b]), np.array([p[1] for p in b])
+    lo, hi = max(ta[0], tb[0]), min(ta[-1], tb[-1])
+    if len(a) == 1 or len(b) == 1 or hi <= lo:
+        r = float(eb[0] / ea[0] - 1)
+        return r, r
+    t = np.linspace(lo, hi, 300)
+    r = np.interp(t, tb, eb) / np.interp(t, ta, ea) - 1
+    return float(r.min()), float(r.max())
+
+
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for t, e in sorted(points):
+        if not out or e < out[-1][1]:
+            out.append((t, e))
+    return out
+
+
+def _simulated(res, simulator, per_method: int) -> dict[str, list[tuple[float, float]]]:
+    """Per method, a stratified sample of its frontier's plans run by the noise-free
+    emulator as whole iterations: what the plans really cost, whatever the numbers they
+    were composed from."""
+    from kareus.workflows.optimize import validation_sample
+
+    out = {}
+    for m, plans in res.plans.items():
+        pick = validation_sample(len(plans), per_method)
+        out[m] = [(r.time_s, r.energy_j) for r in
+                  (simulator.run(plans[i].execution) for i in pick)]
+    return out
+
+
+def one(preset: str, seed: int, noise: float, budget: int) -> dict:
+    from kareus.backends.emulator.spec import EmulatorSpec
+    from kareus.job.sources import build_job
+    from kareus.search.loop import SearchConfig
+    from kareus.workflows.executors import ExecutorSpec
+    from kareus.workflows.optimize import optimize
+    from kareus.workflows.profile import profile
+    from kareus.workflows.profile_estimate import estimate_profile
+    from kareus.workflows.step_fit import FitPolicy
+    from kareus.workload.workload import Workload
+
+    wl = Workload.build(build_job(preset))
+    spec = EmulatorSpec(seed=seed, noise=noise)
+    config = SearchConfig(budget=budget, seed=seed)
+    out: dict = {}
+    simulator = EmulatorSpec().plan_simulator(wl)  # noise-free: the plans' true cost
+    assert simulator is not None
+    with tempfile.TemporaryDirectory() as d:
+        fronts, true = {}, {}
+        for name, policy in (("before", FitPolicy(enabled=False)), ("after", FitPolicy())):
+            journal = f"{d}/{name}.sqlite"
+            est = estimate_profile(wl, journal, spec, config, wl.keys, True, policy)
+            r = profile(wl, journal, spec, config, policy=policy)
+            assert r.cost is not None and r.steps is not None
+            cost = r.cost.to_dict()
+            out[name] = {"measurements": cost["measurements"],
+                         "partition_settings": cost["partition_settings"],
+                         "steps_measured": cost["steps_measured"],
+                         "steps_fitted": cost["steps_fitted"],
+                         "node_hours": cost["node_hours"],
+                         "node_hours_old_protocol": _old_protocol_s(cost)
+                         * cost["group_gpus"] / cost["gpus_per_node"] / 3600,
+                         "estimate_node_hours": est.node_hours,
+                         "fit_error": (r.steps.max_time_fit_error,
+                                       r.steps.max_energy_fit_error),
+                         "failed_series": r.steps.failed_series, "series": r.steps.series}
+            res = optimize(wl, f"{d}/{name}-out", config, executor=ExecutorSpec(workers=1),
+                           measurements=journal)
+            assert res is not None
+            fronts[name] = res.frontier_points()
+            true[name] = _simulated(res, simulator, SIMULATED)
+        out["gap"] = {m: _frontier_gap(fronts["before"][m], fronts["after"][m])
+                      for m in fronts["before"]}
+        out["true_gap"] = {m: _frontier_gap(true["before"][m], true["after"][m])
+                           for m in true["before"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--jobs", default=",".join(JOBS))
+    ap.add_argument("--noise", type=float, default=0.03)
+    ap.add_argument("--budget", type=int, default=100)
+    args = ap.parse_args()
+    med = statistics.median
+    for preset in args.jobs.split(","):
+        runs = [one(preset, s, args.noise, args.budget) for s in range(args.seeds)]
+        b = [r["before"] for r in runs]
+        a = [r["after"] for r in runs]
+        print(f"{preset} (medians of {args.seeds} seeds, noise {args.noise:.0%}, budget "
+              f"{args.budget})")
+        print(f"  before: {med(x['measurements'] for x in b):.0f} measurements "
+              f"({med(x['partition_settings'] for x in b):.0f} partition settings, "
+              f"{med(x['steps_measured'] for x in b):.0f} steps), "
+              f"{med(x['node_hours_old_protocol'] for x in b):.2f} node-hours at window + "
+              f"cooldown + settle")
+        print(f"  after:  {med(x['measurements'] for x in a):.0f} measurements "
+              f"({med(x['partition_settings'] for x in a):.0f} partition settings, "
+              f"{med(x['steps_measured'] for x in a):.0f} steps, "
+              f"{med(x['steps_fitted'] for x in a):.0f} fitted), "
+              f"{med(x['node_hours'] for x in a):.2f} node-hours with the settle in the "
+              f"cooldown ({med(x['node_hours_old_protocol'] for x in a):.2f} without); "
+              f"estimated {med(x['estimate_node_hours'] for x in a):.2f} before the run "
+              f"({med(x['estimate_node_hours'] / x['node_hours'] - 1 for x in a):+.1%})")
+        print(f"  fits: held-out error at most {max(x['fit_error'][0] for x in a):.2%} time, "
+              f"{max(x['fit_error'][1] for x in a):.2%} energy; "
+              f"{sum(x['failed_series'] for x in a)} of {sum(x['series'] for x in a)} "
+              f"steps failed the check over all seeds")
+        print("  energy after / before at equal time (lowest .. highest over the time "
+              "range): as composed from the journals | the same plans run by the "
+              "noise-free emulator")
+        for m in runs[0]["gap"]:
+            cells = []
+            for key in ("gap", "true_gap"):
+                lo = med(r[key][m][0] for r in runs)
+                hi = med(r[key][m][1] for r in runs)
+                cells.append(f"{lo:+.2%} .. {hi:+.2%}")
+            print(f"  {m:<24} {cells[0]:>20} | {cells[1]:>20}")
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
