@@ -14,7 +14,9 @@ For each job and seed, on the emulator with measurement noise (default 3%):
   noisy numbers: a frontier composed from noisy per-clock numbers looks cheaper than it
   is where the solver picks the clocks the noise made look cheap, and fitted curves
   smooth that away) and once with the same plans run by the noise-free emulator as whole
-  iterations, which is what a plan really costs.
+  iterations, which is what a plan really costs; beside them, as a reference, the full
+  profile of one seed against the full profile of the next, both run: how far the noise
+  alone moves a frontier.
 
 Node-hours are GPU time over the job's GPUs per node. Medians over the seeds. The
 searches are the same in both profiles (the emulator's noise depends on the seed and
@@ -131,6 +133,7 @@ def one(preset: str, seed: int, noise: float, budget: int) -> dict:
                       for m in fronts["before"]}
         out["true_gap"] = {m: _frontier_gap(true["before"][m], true["after"][m])
                            for m in true["before"]}
+        out["true_before"] = true["before"]
     return out
 
 
@@ -165,16 +168,22 @@ def main() -> None:
               f"{max(x['fit_error'][1] for x in a):.2%} energy; "
               f"{sum(x['failed_series'] for x in a)} of {sum(x['series'] for x in a)} "
               f"steps failed the check over all seeds")
+        # the reference: a full profile against the full profile of the next seed, both
+        # run by the noise-free emulator (how far noise alone moves the frontier)
+        for i, r in enumerate(runs):
+            other = runs[(i + 1) % len(runs)]["true_before"]
+            r["seed_gap"] = {m: _frontier_gap(other[m], r["true_before"][m])
+                             for m in r["true_before"]}
         print("  energy after / before at equal time (lowest .. highest over the time "
               "range): as composed from the journals | the same plans run by the "
-              "noise-free emulator")
+              "noise-free emulator | reference: before, one seed against another, run")
         for m in runs[0]["gap"]:
             cells = []
-            for key in ("gap", "true_gap"):
+            for key in ("gap", "true_gap", "seed_gap"):
                 lo = med(r[key][m][0] for r in runs)
                 hi = med(r[key][m][1] for r in runs)
                 cells.append(f"{lo:+.2%} .. {hi:+.2%}")
-            print(f"  {m:<24} {cells[0]:>20} | {cells[1]:>20}")
+            print(f"  {m:<24} {cells[0]:>20} | {cells[1]:>20} | {cells[2]:>20}")
         print(flush=True)
 
 

@@ -6,8 +6,9 @@ Counts, per kind:
   early once its hypervolume stops improving;
 - the steps outside partitions: the numbers composition needs and the journal lacks,
   grouped by step, each measured at the clocks `kareus.workflows.step_fit` plans (the
-  anchors and a held-out clock) and fitted at the others; the bound if every fit failed
-  is every clock;
+  anchors and a held-out clock, and every clock above the highest anchor the power
+  limiter does not hold down, as the noise-free emulator predicts it for the job's GPU)
+  and fitted at the others; the bound if every fit failed is every clock;
 - settles: the search measures each batch one clock at a time, so a batch of ``b``
   settings over ``F`` clocks takes the expected number of distinct clocks,
   ``F (1 - (1 - 1/F)^b)``; the steps are measured phase by phase, one clock at a time.
@@ -23,8 +24,9 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend
-from kareus.backends.needs import Need
+from kareus.backends.needs import Need, measure_need
 from kareus.backends.registry import BackendSpec, spec_from_options
 from kareus.compose.options import Composer, key_frontiers
 from kareus.core import MeasurementProtocol
@@ -33,7 +35,13 @@ from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.profile import _runnable
 from kareus.workflows.profile_cost import CostSummary, expected_clock_changes
-from kareus.workflows.step_fit import FitPolicy, plan_anchors, planned_clocks, series_key
+from kareus.workflows.step_fit import (
+    THROTTLED_BELOW,
+    FitPolicy,
+    plan_anchors,
+    planned_clocks,
+    series_key,
+)
 from kareus.workload.workload import Workload
 
 
@@ -110,17 +118,17 @@ def _search_settles(n: int, clocks: int, config: SearchConfig) -> float:
 def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPolicy,
            protocol: MeasurementProtocol) -> tuple[int, int, float, int]:
     """(measured, measured at most, protocol seconds, clock changes) of the steps outside
-    partitions."""
-    if measured is not None:
-        return _count_steps(workload, measured, policy, protocol)
-    # nothing journaled: the needs' structure alone, which any backend enumerates
+    partitions. Which steps the power limiter holds below their clock (measured at the
+    top clocks rather than fitted) is the noise-free emulator's prediction."""
     with spec_from_options("emulator", {}).open(workload) as emulator:
-        return _count_steps(workload, JournaledBackend.in_memory(emulator, workload.job),
-                            policy, protocol)
+        # nothing journaled: the needs' structure alone, which any backend enumerates
+        backend = measured or JournaledBackend.in_memory(emulator, workload.job)
+        return _count_steps(workload, backend, policy, protocol, emulator)
 
 
 def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolicy,
-                 protocol: MeasurementProtocol) -> tuple[int, int, float, int]:
+                 protocol: MeasurementProtocol, predictor: Backend
+                 ) -> tuple[int, int, float, int]:
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
     fronts = key_frontiers({k: backend.samples(k) for k in workload.keys})
     todo = [n for n in backend.lacks(composer.needs(_runnable(workload), fronts))
@@ -131,6 +139,10 @@ def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolic
     clocks_of = {k: sorted({n.knobs.freq_mhz for n in v}, reverse=True)
                  for k, v in series.items()}
     planned = {k: planned_clocks(c, policy) for k, c in clocks_of.items()}
+    for k, clocks in planned.items():
+        if len(clocks) < len(clocks_of[k]):
+            planned[k] = clocks + _throttled_top(series[k], plan_anchors(
+                clocks_of[k], policy.anchors), clocks, predictor)
     measured = sum(len(c) for c in planned.values())
     # measured phase by phase (kareus.workflows.step_fit), each one clock at a time: the
     # anchors with the steps measured at every clock, then the held-out clocks
@@ -142,6 +154,20 @@ def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolic
             continue
         anchors = plan_anchors(clocks_of[k], policy.anchors)
         first.update(anchors)
-        checks.update(set(clocks) - set(anchors))
+        checks.update(set(clocks) - set(anchors))  # with the throttled top, if any
     changes = len(first) + len(checks)
     return measured, len(todo), _protocol_s(protocol, measured, changes), changes
+
+
+def _throttled_top(needs: Sequence[Need], anchors: Sequence[int], planned: Sequence[int],
+                   predictor: Backend) -> list[int]:
+    """The clocks `measure_steps` measures beyond ``planned`` because an anchor is held
+    below its clock: every clock above the highest anchor that is not (predicted)."""
+    at = {n.knobs.freq_mhz: n for n in needs}
+    throttled = {f for f in anchors
+                 if measure_need(predictor, at[f]).effective_freq_mhz
+                 < f * (1 - THROTTLED_BELOW)}
+    if not throttled:
+        return []
+    top_free = max((f for f in anchors if f not in throttled), default=min(at))
+    return [f for f in sorted(at, reverse=True) if f > top_free and f not in planned]
