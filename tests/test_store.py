@@ -3,6 +3,7 @@ back unchanged, several processes writing to one file at once, corrupt files and
 of other schema versions refused in one line, and the first version-1 layout opened."""
 
 import inspect
+import json
 import multiprocessing as mp
 import os
 import sqlite3
@@ -13,6 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.journaled import JournaledBackend
+from kareus.backends.needs import Need
 from kareus.core import Knobs, Measurement
 from kareus.job.sources import build_job
 from kareus.store import JOURNAL_SCHEMA_VERSION, Journal, JournalError, JournalLike, job_id
@@ -375,3 +379,93 @@ def test_a_refused_journal_is_not_left_open(tmp_path, version):
     j = Journal(tmp_path / "ok.sqlite")
     assert _open_fds(tmp_path / "ok.sqlite") == 1  # the count sees an open journal
     j.close()
+
+
+# Fitted numbers and profile costs (schema version 2) -----------------------------------------
+
+FIT = Measurement(0.25, 30.0, 10.0, 20.0, 120.0, 1200.0)
+
+
+@pytest.mark.parametrize(("kind", "key", "knobs"), [
+    ("partition", "fwd_attn", Knobs(1200, 8, "mlp")),
+    ("partition", "bwd_mlp", Knobs(1130, 12, None)),
+    ("ops", "embedding#abc123", Knobs(1200, 24, None)),
+])
+def test_a_fitted_number_is_read_where_measurements_are_and_listed_as_fitted(
+        tmp_path, kind, key, knobs):
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        j.record_fitted("job", "emu", kind, key, knobs, FIT, 0.004, -0.007,
+                        [1410, 1130, 850])
+        j.record("job", "fwd_attn", "emu", Knobs(1410, 8, None), M)  # a measured one
+    with Journal(path) as j:
+        parts, ops = j.partition_samples("job", "emu"), j.op_samples("job", "emu")
+        if kind == "partition":
+            assert parts[(key, knobs)] == FIT
+            assert ops == {}
+        else:
+            assert ops == {(key, knobs.freq_mhz, knobs.sms): FIT}
+            assert set(parts) == {("fwd_attn", Knobs(1410, 8, None))}
+        # only the fitted number is listed as fitted, with its fit's held-out errors
+        assert j.fitted("job", "emu") == {
+            (kind, key, knobs.freq_mhz, knobs.sms, knobs.slot): (0.004, -0.007)}
+        assert j.fitted("job", "other-backend") == {}
+        assert j.fitted("other-job", "emu") == {}
+    with _raw(path) as conn:
+        (measured,) = conn.execute("SELECT measured_freqs FROM fitted").fetchone()
+    assert json.loads(measured) == [1410, 1130, 850]
+
+
+def test_a_fitted_number_does_not_replace_a_measurement(tmp_path):
+    """The first number of a setting stays, as for measurements."""
+    with Journal(tmp_path / "j.sqlite") as j:
+        j.record_ops("job", "ops", "emu", 1200, 24, M)
+        j.record_fitted("job", "emu", "ops", "ops", Knobs(1200, 24, None), FIT, 0.0, 0.0,
+                        [1410])
+        assert j.op_samples("job", "emu") == {("ops", 1200, 24): M}
+
+
+def test_profile_runs_come_back_in_order_per_job(tmp_path):
+    first = {"estimate": False, "measurements": 12, "cost_s": 120.0,
+             "protocol": {"window_s": 5.0, "cooldown_s": 5.0, "settle_s": 2.0}}
+    second = {"estimate": False, "measurements": 0, "cost_s": 0.0, "nested": [1, 2.5, None]}
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        assert j.profile_runs("job") == []
+        j.record_profile_run("job", "emu", first)
+        j.record_profile_run("other-job", "emu", {"measurements": 99})
+        j.record_profile_run("job", "nvml:A100", second)
+    with Journal(path) as j:
+        assert j.profile_runs("job") == [first, second]
+        assert j.profile_runs("other-job") == [{"measurements": 99}]
+
+
+def test_a_fitted_number_stored_through_the_backend_answers_a_later_run(tmp_path):
+    job = build_job("kareus-1")
+    # needs without what measuring takes: only the journal can answer them
+    ops = Need(Knobs(1200, 24, None), ops_key="embedding#abc123")
+    part = Need(Knobs(1130, 8, "mlp"), partition="fwd_attn")
+    measured = Need(Knobs(1410, 24, None), ops_key="embedding#abc123")
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        first = JournaledBackend(EmulatorBackend(job), j, j.register_job(job))
+        first.store_fitted(ops, FIT, 0.003, -0.002, (1410, 1130))
+        first.store_fitted(part, M, -0.01, 0.02, (1410, 850))
+        assert first.answer(ops).measurement == FIT  # at once, in this run too
+        identity = first.identity()
+        j.record_ops(job_id(job), "embedding#abc123", identity, 1410, 24, M)
+    with Journal(path) as j:
+        later = JournaledBackend(EmulatorBackend(job), j, job_id(job), record=False)
+        assert later.fitted_used == []
+        got = later.answer(part)
+        assert (got.measurement, got.origin) == (M, "journal")
+        assert later.answer(ops).measurement == FIT
+        assert later.answer(measured).measurement == M
+        assert later.measured == 0
+        assert later.fitted_used == [part, ops]  # in order; the measured one is not
+        assert later.fitted_error(ops) == (0.003, -0.002)
+        assert later.fitted_error(part) == (-0.01, 0.02)
+        assert later.fitted_error(measured) is None
+        assert j.fitted(job_id(job), identity) == {
+            ("ops", "embedding#abc123", 1200, 24, None): (0.003, -0.002),
+            ("partition", "fwd_attn", 1130, 8, "mlp"): (-0.01, 0.02)}

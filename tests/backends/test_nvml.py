@@ -95,3 +95,97 @@ def test_is_a_backend_and_measures_runs_of_ops(tmp_path):
     with pytest.raises(SpecError, match="--allow-clock-changes"):
         b.measure_ops(ops, 1200)
     assert dev.clock_calls == []
+
+
+class FakeClock:
+    """``time.perf_counter`` and ``time.sleep`` of kareus.backends.nvml: time moves only
+    when the backend sleeps or a fake run runs, and every sleep is recorded."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class FakeRunner:
+    """A partition run that takes ``run_s`` of the fake clock."""
+
+    def __init__(self, clock: FakeClock, run_s: float) -> None:
+        self.clock, self.run_s = clock, run_s
+
+    def run(self) -> None:
+        self.clock.now += self.run_s
+
+    def synchronize(self) -> None:
+        pass
+
+
+RESTING = MeasurementProtocol(window_s=0.005, cooldown_s=0.05, settle_s=0.03)
+
+
+def _rested_backend(monkeypatch, tmp_path, protocol, guard):
+    import kareus.backends.nvml as nvml
+
+    clock = FakeClock()
+    monkeypatch.setattr(nvml, "time", clock)
+    b = NvmlBackend(JOB, guard.device, guard, protocol=protocol, torch_device="cpu",
+                    warmup_runs=1, min_runs=2)
+    monkeypatch.setattr(b, "_runner", lambda partition, knobs: FakeRunner(clock, 0.001))
+    return b, clock
+
+
+@pytest.mark.parametrize(("protocol", "between"), [
+    (RESTING, 0.05),  # the settle (0.03) runs inside the cooldown (0.05)
+    (MeasurementProtocol(window_s=0.005, cooldown_s=0.01, settle_s=0.03), 0.03),
+])
+def test_a_clock_change_settles_inside_the_cooldown(monkeypatch, tmp_path, protocol,
+                                                    between):
+    dev = FakeDevice()
+    with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as guard:
+        b, clock = _rested_backend(monkeypatch, tmp_path, protocol, guard)
+        b.measure(PS["fwd_mlp"], Knobs(1410, 6, None))
+        # the first measurement waits for the clock it set to settle, and nothing after
+        assert clock.sleeps == [pytest.approx(protocol.settle_s)]
+        first_ended = clock.now
+        b.measure(PS["fwd_mlp"], Knobs(1200, 6, None))
+        assert dev.clock_calls == [("set_locked_clocks", 1410, 1410),
+                                   ("set_locked_clocks", 1200, 1200)]
+    rests = clock.sleeps[1:]
+    assert sum(rests) == pytest.approx(between)
+    assert sum(rests) == pytest.approx(
+        max(protocol.cooldown_s, protocol.settle_s))  # not cooldown + settle
+    assert sum(rests) < protocol.cooldown_s + protocol.settle_s - 1e-3
+    # the second window starts once the rest is over; the protocol's cost of a measurement
+    # after another is that rest and its window
+    assert protocol.cost_s(clock_changed=True) == pytest.approx(
+        protocol.window_s + between)
+    assert clock.now - first_ended >= between + protocol.window_s - 1e-9
+
+
+def test_the_same_clock_waits_the_cooldown_alone(monkeypatch, tmp_path):
+    dev = FakeDevice()
+    with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as guard:
+        b, clock = _rested_backend(monkeypatch, tmp_path, RESTING, guard)
+        b.measure(PS["fwd_mlp"], Knobs(1410, 6, None))
+        b.measure(PS["fwd_mlp"], Knobs(1410, 9, None))
+    assert clock.sleeps == [pytest.approx(RESTING.settle_s),
+                            pytest.approx(RESTING.cooldown_s)]
+
+
+def test_time_spent_since_the_last_window_counts_toward_the_rest(monkeypatch, tmp_path):
+    dev = FakeDevice()
+    with ClockGuard(dev, allow_changes=True, lock_dir=str(tmp_path)) as guard:
+        b, clock = _rested_backend(monkeypatch, tmp_path, RESTING, guard)
+        b.measure(PS["fwd_mlp"], Knobs(1410, 6, None))
+        clock.now += 0.2  # other work (composition, the search) after the window
+        b.measure(PS["fwd_mlp"], Knobs(1410, 9, None))  # cooldown already over
+        b.measure(PS["fwd_mlp"], Knobs(1200, 9, None))
+    assert clock.sleeps == [pytest.approx(RESTING.settle_s),
+                            pytest.approx(RESTING.cooldown_s)]

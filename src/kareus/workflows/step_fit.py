@@ -15,10 +15,12 @@ clock it was set to:
 So each series is measured at ``anchors`` clocks spread over its range (both ends
 included), fitted by least squares on relative errors, and checked at one more clock held
 out of the fit (the middle of the widest gap between measured clocks). The fit is kept
-when the held-out error is within ``tolerance``, or within three times the relative spread
-of the fit's own residuals where measurements are noisier than that (a fit cannot be
-checked more finely than the numbers it is checked against). A series that fails the check
-is measured at every clock.
+when the held-out error and the spread of the fit's own residuals are both within
+``tolerance``, or within three times the measurements' noise where that is larger (a fit
+cannot be checked more finely than the numbers it is checked against). The noise is the
+median residual spread over all the job's steps: a step whose curve is of another shape
+has a large spread of its own, which must not excuse it. A series that fails the check is
+measured at every clock.
 
 Where the power limiter holds a step below its set clock (an anchor's effective clock below
 the set one) neither curve holds: the limiter, not the clock, sets the speed. The
@@ -138,9 +140,11 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy
     take(n for v in fitting.values() for n in _throttled_range(v, report.measured))
     checks = {k: _check_clock(v, report.measured) for k, v in fitting.items()}
     take(fitting[k][f] for k, f in checks.items() if f is not None)
+    checked = {k: _held_out(v, report.measured, checks[k]) for k, v in fitting.items()}
+    noise = _pooled_spread([c for c in checked.values() if c is not None])
     failed: list[tuple] = []
     for k, v in fitting.items():
-        result = _fit_series(v, report.measured, checks[k], policy)
+        result = _fit_series(v, report.measured, checked[k], policy, noise)
         if result is None:
             failed.append(k)
         else:
@@ -219,24 +223,54 @@ class _Curves:
                 _rms(re, len(points) - len(self.energy)))
 
 
-def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
-                check: int | None, policy: FitPolicy
-                ) -> dict[Need, tuple[Measurement, FitInfo]] | None:
-    """The fitted numbers of the series' unmeasured clocks, or None where the held-out
-    check fails (or cannot be made)."""
+@dataclass(frozen=True)
+class _HeldOut:
+    time_error: float
+    energy_error: float
+    spread: tuple[float, float]
+    """The fit's relative residual spread (time, energy), per degree of freedom."""
+
+
+def _held_out(series: dict[int, Need], measured: dict[Need, Measurement],
+              check: int | None) -> _HeldOut | None:
+    """The fit without the held-out clock, against it (None: no check could be made)."""
     if check is None:
-        rest = [n for n in series.values() if n not in measured]
-        return {} if not rest else None
+        return None
     points = _fit_points(series, measured, skip=check)
     curves = _Curves.fit(points)
     held = measured[series[check]]
     t, e = curves.predict(check)
-    err_t = t / held.time_s - 1
-    err_e = e / held.dynamic_energy_j - 1 if held.dynamic_energy_j else 0.0
-    spread_t, spread_e = curves.spread(points)
-    if (abs(err_t) > max(policy.tolerance, 3 * spread_t)
-            or abs(err_e) > max(policy.tolerance, 3 * spread_e)):
+    return _HeldOut(t / held.time_s - 1,
+                    e / held.dynamic_energy_j - 1 if held.dynamic_energy_j else 0.0,
+                    curves.spread(points))
+
+
+def _pooled_spread(checks: Sequence[_HeldOut]) -> tuple[float, float]:
+    """The measurements' noise, as the median over every step of its fit's residual
+    spread (time, energy): a step whose curve the shape cannot follow has a large spread
+    of its own, which must not loosen its own check; the median over the job's steps is
+    the noise they share. Zero with fewer than three steps (no noise allowance)."""
+    if len(checks) < 3:
+        return 0.0, 0.0
+    return (float(np.median([c.spread[0] for c in checks])),
+            float(np.median([c.spread[1] for c in checks])))
+
+
+def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
+                check: _HeldOut | None, policy: FitPolicy, noise: tuple[float, float]
+                ) -> dict[Need, tuple[Measurement, FitInfo]] | None:
+    """The fitted numbers of the series' unmeasured clocks, or None where the held-out
+    check fails (or cannot be made): its error, and its own residual spread, must be
+    within the tolerance, or three times the noise where the measurements are noisier."""
+    if check is None:
+        rest = [n for n in series.values() if n not in measured]
+        return {} if not rest else None
+    allow_t = max(policy.tolerance, 3 * noise[0])
+    allow_e = max(policy.tolerance, 3 * noise[1])
+    if (abs(check.time_error) > allow_t or abs(check.energy_error) > allow_e
+            or check.spread[0] > allow_t or check.spread[1] > allow_e):
         return None
+    err_t, err_e = check.time_error, check.energy_error
     everything = _fit_points(series, measured)
     curves = _Curves.fit(everything)  # the held-out clock joins the final fit
     lo, hi = everything[0][0], everything[-1][0]

@@ -1,0 +1,189 @@
+"""What a profile costs (kareus.workflows.profile_cost, profile_estimate): the expected
+clock changes of a batch against a Monte Carlo count; on the emulator, `kareus profile
+--dry-run` measures and writes nothing and estimates what the run then records (in the
+journal's profile_runs and in its result); --max-hours refuses a profile over it before
+anything is created; --every-clock fits nothing; `kareus optimize --measurements` says how
+many of its numbers were fitted."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kareus.job.sources import build_job
+from kareus.store import Journal, job_id
+from kareus.workflows.profile_cost import expected_clock_changes
+from tests.conftest import run_cli
+
+# kareus-1 with its 18 default clocks; few microbatches and a small budget keep it quick
+JOB = build_job("kareus-1", overrides={"num_microbatches": 4})
+ARGS = ("-p", "kareus-1", "--microbatches", "4")
+PROFILE = ("profile", *ARGS, "--backend", "emulator", "--budget", "20")
+
+
+# Expected clock changes ---------------------------------------------------------------------
+
+def _monte_carlo(draws: int, clocks: int, trials: int = 20000) -> float:
+    """Distinct clocks among ``draws`` settings drawn uniformly from ``clocks``, averaged."""
+    rng = np.random.default_rng(12345)
+    picks = np.sort(rng.integers(0, clocks, size=(trials, draws)), axis=1)
+    distinct = 1 + np.count_nonzero(np.diff(picks, axis=1), axis=1)
+    return float(distinct.mean())
+
+
+@pytest.mark.parametrize(("draws", "clocks"), [(1, 18), (2, 18), (5, 18), (18, 18),
+                                               (40, 18), (200, 18), (3, 2), (10, 3),
+                                               (7, 100)])
+def test_expected_clock_changes_is_the_mean_count_of_distinct_clocks(draws, clocks):
+    got = expected_clock_changes(draws, clocks)
+    assert got == pytest.approx(_monte_carlo(draws, clocks), rel=0.02, abs=0.02)
+
+
+def test_expected_clock_changes_edge_cases():
+    assert expected_clock_changes(0, 18) == 0.0
+    assert expected_clock_changes(0, 1) == 0.0
+    assert expected_clock_changes(1, 1) == 1.0
+    assert expected_clock_changes(50, 1) == 1.0  # one clock: one change at most
+    assert expected_clock_changes(1, 18) == pytest.approx(1.0)  # one draw, one clock
+
+
+@given(draws=st.integers(1, 500), clocks=st.integers(1, 200))
+def test_expected_clock_changes_lies_between_one_and_the_fewer_of_draws_and_clocks(
+        draws, clocks):
+    got = expected_clock_changes(draws, clocks)
+    assert 1.0 - 1e-9 <= got <= min(draws, clocks) + 1e-9
+    assert got <= expected_clock_changes(draws + 1, clocks) + 1e-12  # more draws, no fewer
+
+
+# The estimate against the run, on the emulator ------------------------------------------------
+
+def _fitted_rows(path) -> int:
+    with sqlite3.connect(str(path)) as conn:
+        return conn.execute("SELECT COUNT(*) FROM fitted").fetchone()[0]
+
+
+@pytest.fixture(scope="module")
+def estimated_then_profiled(tmp_path_factory):
+    """`kareus profile --dry-run --json`, then the profile itself (--json), of JOB."""
+    d = tmp_path_factory.mktemp("cost")
+    path = d / "j.sqlite"
+    dry = run_cli(*PROFILE, "--journal", str(path), "--dry-run", "--json")
+    assert dry.code == 0, dry.err
+    left_by_dry_run = sorted(p.name for p in d.iterdir())
+    estimate = dry.json()
+    # a limit above the estimate lets the profile run
+    run = run_cli(*PROFILE, "--journal", str(path), "--json",
+                  "--max-hours", f"{estimate['node_hours'] * 2:.6f}")
+    assert run.code == 0, run.err
+    return path, left_by_dry_run, estimate, run.json()
+
+
+def test_a_dry_run_measures_and_writes_nothing_and_states_the_costs(estimated_then_profiled):
+    _path, left, est, _run = estimated_then_profiled
+    assert left == []  # no journal, no lock file
+    for key in ("schema_version", "wall_s", "gpu_s", "node_hours", "measurements"):
+        assert key in est, key
+    assert est["estimate"] is True
+    assert est["measurements"] == est["partition_settings"] + est["steps_measured"] > 0
+    assert est["partition_settings"] <= 4 * 20  # four partitions, a budget of 20 each
+    assert est["gpu_s"] == pytest.approx(est["cost_s"] * est["group_gpus"])
+    assert est["node_hours"] == pytest.approx(
+        est["gpu_s"] / est["gpus_per_node"] / 3600.0)
+    pr = est["protocol"]
+    # every measurement costs at least its window and its cooldown
+    assert est["cost_s"] >= est["measurements"] * (pr["window_s"] + pr["cooldown_s"]) - 1e-6
+    assert est["wall_s"] == pytest.approx(est["cost_s"])  # one group, one after another
+    assert est["steps_measured"] + est["steps_fitted"] == est["steps_upper_bound"]
+    assert 0 < est["steps_measured"] < est["steps_upper_bound"]
+
+
+def test_the_run_records_what_it_cost_within_the_estimate(estimated_then_profiled):
+    path, _left, est, run = estimated_then_profiled
+    assert path.is_file()
+    with Journal(path) as j:
+        runs = j.profile_runs(job_id(JOB))
+    assert len(runs) == 1
+    recorded = runs[0]
+    assert recorded == run["cost"]  # the result's cost is the journal's
+    assert recorded["estimate"] is False
+    steps = run["steps"]
+    assert recorded["partition_settings"] <= est["partition_settings"]
+    assert recorded["partition_settings"] == sum(s["measured_this_run"]
+                                                 for s in run["searches"])
+    assert recorded["steps_measured"] + recorded["steps_fitted"] == steps["needed"] > 0
+    assert recorded["steps_fitted"] == steps["fitted"] > 0
+    assert recorded["steps_measured"] <= est["steps_upper_bound"]
+    assert recorded["steps_fitted"] == _fitted_rows(path)
+    # the estimate the run printed is the dry run's: same inputs, same numbers
+    assert run["estimate"] == {k: v for k, v in est.items() if k != "journal"}
+    assert est["cost_s"] == pytest.approx(recorded["cost_s"], rel=0.15)
+
+
+def test_max_hours_below_the_estimate_is_refused_before_anything_is_created(
+        estimated_then_profiled, tmp_path):
+    _path, _left, est, _run = estimated_then_profiled
+    path = tmp_path / "j.sqlite"
+    r = run_cli(*PROFILE, "--journal", str(path), "--max-hours",
+                f"{est['node_hours'] / 2:.6f}")
+    assert r.code == 2
+    assert "Traceback" not in r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert "estimate" in lines[0] and "--max-hours" in lines[0]
+    assert f"{est['node_hours']:.2f} node-hours" in lines[0]
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("hours", ["0", "-1", "-0.5"])
+def test_max_hours_must_be_positive(tmp_path, hours):
+    path = tmp_path / "j.sqlite"
+    r = run_cli(*PROFILE, "--journal", str(path), f"--max-hours={hours}")
+    assert r.code == 2
+    assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert "--max-hours" in r.err
+    assert not path.exists()
+
+
+def test_every_clock_fits_nothing(tmp_path):
+    path = tmp_path / "j.sqlite"
+    dry = run_cli(*PROFILE, "--journal", str(path), "--every-clock", "--dry-run", "--json")
+    assert dry.code == 0, dry.err
+    est = dry.json()
+    assert est["steps_fitted"] == 0 and est["steps_measured"] == est["steps_upper_bound"] > 0
+    r = run_cli(*PROFILE, "--journal", str(path), "--every-clock", "--json")
+    assert r.code == 0, r.err
+    steps = r.json()["steps"]
+    assert steps["fitted"] == 0
+    assert steps["measured"] == steps["needed"] == est["steps_upper_bound"]
+    assert _fitted_rows(path) == 0
+    with Journal(path) as j:
+        assert j.fitted(job_id(JOB), r.json()["backend"]) == {}
+        (cost,) = j.profile_runs(job_id(JOB))
+    assert cost["steps_fitted"] == 0 and cost["steps_measured"] == steps["needed"]
+
+
+def test_optimize_from_a_fitted_profile_says_how_many_numbers_were_fitted(
+        estimated_then_profiled, tmp_path):
+    path, _left, _est, _run = estimated_then_profiled
+    out = tmp_path / "o"
+    r = run_cli("optimize", *ARGS, "--measurements", str(path), "--out", str(out), "--json")
+    assert r.code == 0, r.err
+    fitted = r.json()["measurements"]["fitted"]
+    # composition asks for every number the profile fitted (it fitted what composition
+    # needs), and reads each one from the journal
+    assert fitted["count"] == _fitted_rows(path) > 0
+    with sqlite3.connect(str(path)) as conn:
+        worst_t, worst_e = conn.execute(
+            "SELECT MAX(ABS(time_rel_error)), MAX(ABS(energy_rel_error)) FROM fitted"
+        ).fetchone()
+    assert fitted["max_time_rel_error"] == pytest.approx(worst_t)
+    assert fitted["max_energy_rel_error"] == pytest.approx(worst_e)
+    assert json.loads((out / "result.json").read_text())["measurements"]["fitted"] == fitted
+    report = (out / "report.md").read_text()
+    assert any(str(fitted["count"]) in line and "fitted" in line
+               for line in report.splitlines()), report
