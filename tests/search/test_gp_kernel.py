@@ -98,7 +98,9 @@ def test_a_fit_reaches_the_composite_kernels_likelihood(n_prior):
                                      random_state=0).fit(X, y)
             for k in (knob_kernel(n_prior=n_prior), knob_kernel_reference(n_prior=n_prior))]
     fast, ref = (gp.log_marginal_likelihood_value_ for gp in fits)
-    assert fast == pytest.approx(ref, rel=1e-6)
+    # the two kernels agree to 1e-9 (above); L-BFGS-B then takes its own path through a
+    # flat optimum from each one's rounding: 1.3e-6 apart with scipy 1.17.1 and numpy 2.4.6
+    assert fast == pytest.approx(ref, rel=1e-5)
     # the optimum is flat along some lengths (an input that hardly matters), so compare
     # what the fits predict, not every hyperparameter
     grid = _features(np.random.default_rng(12), 30, n_prior)[:, :-1]

@@ -16,7 +16,9 @@ from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec, prepare_search
-from kareus.workflows.profiling import prepare_profile
+from kareus.workflows.profile import ProfileResult
+from kareus.workflows.profile_cost import CostSummary
+from kareus.workflows.profiling import ProfileRun, prepare_profile
 from kareus.workflows.progress import ProgressBars
 from kareus.workflows.step_fit import FitPolicy
 from kareus.workload.workload import Workload
@@ -182,17 +184,7 @@ def profile(
     if run.quiet:  # under torchrun: only rank 0 reports
         run.run()
         return
-    try:
-        estimate = run.estimate()
-        if max_hours is not None and estimate.node_hours > max_hours:
-            raise SpecError(f"the profile's estimate, {estimate.node_hours:.2f} node-hours "
-                            f"({estimate.measurements:,} measurements), exceeds --max-hours "
-                            f"{max_hours:g}; lower --budget, profile fewer --partition, or "
-                            f"raise --max-hours")
-    except BaseException:
-        if run.lock is not None:
-            run.lock.release()
-        raise
+    estimate = _estimate_within(run, max_hours)
     if dry_run:
         if json_out:
             print_json({"journal": journal, **estimate.to_dict()})
@@ -210,17 +202,40 @@ def profile(
     with ProgressBars(run.keys, stderr_console()) as bars:
         result = run.run(bars.update)
         bars.finish(result.searches)
+    _print_profile(result, journal)
+
+
+def _estimate_within(run: ProfileRun, max_hours: float | None) -> CostSummary:
+    """The profile's estimate; a SpecError (the journal's lock released) above
+    ``max_hours`` node-hours."""
+    try:
+        estimate = run.estimate()
+        if max_hours is not None and estimate.node_hours > max_hours:
+            raise SpecError(f"the profile's estimate, {estimate.node_hours:.2f} node-hours "
+                            f"({estimate.measurements:,} measurements), exceeds --max-hours "
+                            f"{max_hours:g}; lower --budget, profile fewer --partition, or "
+                            f"raise --max-hours")
+    except BaseException:
+        if run.lock is not None:
+            run.lock.release()
+        raise
+    return estimate
+
+
+def _print_profile(result: ProfileResult, journal: str) -> None:
+    """What a profile measured, fitted and cost."""
     measured = sum(r.measured_this_run for r in result.searches)
     reused = sum(r.reused_from_journal for r in result.searches)
     console.print(f"profiled {len(result.searches)} partitions: {measured} settings "
                   f"measured, {reused} already in {journal}")
     if result.steps is not None:
         st = result.steps
-        console.print(
-            f"steps outside partitions: {st.needed} missing from the journal, {st.measured} "
-            f"measured, {st.fitted} fitted (held-out error at most {st.max_time_fit_error:.2%}"
-            f" in time, {st.max_energy_fit_error:.2%} in energy; {st.failed_series} of "
-            f"{st.series} steps failed the check and were measured at every clock)")
+        fits = (f" (held-out error at most {st.max_time_fit_error:.2%} in time, "
+                f"{st.max_energy_fit_error:.2%} in energy; {st.failed_series} of {st.series} "
+                f"steps failed the check and were measured at every clock)"
+                if st.fitted or st.failed_series else "")
+        console.print(f"steps outside partitions: {st.needed} missing from the journal, "
+                      f"{st.measured} measured, {st.fitted} fitted{fits}")
     if result.cost is not None:
         for line in result.cost.lines():
             console.print(line)
