@@ -109,7 +109,7 @@ def test_report_commands_are_quoted(run):
     text = (out / "report.md").read_text()
     commands = [line.strip() for line in text.splitlines()
                 if line.strip().startswith("kareus plan")]
-    assert len(commands) == 3
+    assert len(commands) == 4
     for c in commands:
         assert shlex.split(c)[:4] == ["kareus", "plan", "--result", str(out)]
 

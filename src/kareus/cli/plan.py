@@ -11,6 +11,7 @@ import typer
 
 from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.errors import KareusError
+from kareus.job.spec import JobSpec
 from kareus.plans.export import export_plan
 from kareus.plans.methods import get_method
 from kareus.plans.outfile import check_out_file, write_file_atomic
@@ -23,6 +24,8 @@ from kareus.plans.plan import (
     rounding_slack,
     select,
 )
+from kareus.plans.power import trace_of, under_cap
+from kareus.plans.run_cost import RunCost, iterations_of
 from kareus.plans.units import parse_energy_j, parse_time_s
 from kareus.results.report import timeline_figure
 from kareus.results.resultdir import ResultDir
@@ -58,32 +61,56 @@ def plan(
         "--deadline", help=DEADLINE_HELP, metavar="TIME")] = None,
     energy_budget: Annotated[Optional[str], typer.Option(
         "--energy-budget", help=ENERGY_HELP, metavar="ENERGY")] = None,
+    power_cap_kw: Annotated[Optional[float], typer.Option(
+        "--power-cap-kw", help="Cluster power cap, kW: only plans whose peak (the moving "
+        "average over --power-window-s) stays under it; alone, the fastest of them.")] = None,
+    power_cap_w_per_gpu: Annotated[Optional[float], typer.Option(
+        "--power-cap-w-per-gpu", help="The cap per GPU, W (times the job's GPUs).")] = None,
+    power_window_s: Annotated[float, typer.Option(
+        "--power-window-s", help="Window of the power cap's moving average, s.")] = 1.0,
+    iterations: Annotated[Optional[int], typer.Option(
+        "--iterations", help="A training run of this many iterations: its time, GPU "
+        "energy (and cost, emissions) against Megatron-LM at max clock.")] = None,
+    train_tokens: Annotated[Optional[float], typer.Option(
+        "--train-tokens", help="The same, for a run over this many tokens.")] = None,
+    price_per_kwh: Annotated[Optional[float], typer.Option(
+        "--price-per-kwh", help="Electricity price per kWh, for the run's cost.")] = None,
+    grid_g_co2_per_kwh: Annotated[Optional[float], typer.Option(
+        "--grid-g-co2-per-kwh", help="Grid carbon intensity, for the run's emissions.")
+    ] = None,
     method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = "kareus",
     json_out: JsonFlag = False,
 ) -> None:
     """Pick the plan that meets a deadline or an energy budget with the least energy (or
-    time), or the fastest / least-energy plan. `kareus plan list` lists every plan,
-    `kareus plan export` writes one out."""
+    time), or the fastest / least-energy plan; with a power cap, among the plans that stay
+    under it. `kareus plan list` lists every plan, `kareus plan export` writes one out."""
     if ctx.invoked_subcommand is not None:
         return
     if result is None:
         raise KareusError("--result DIR is required")
-    deadline_s = None if deadline is None else parse_time_s(deadline)
-    budget_j = None if energy_budget is None else parse_energy_j(energy_budget)
-    try:
-        objective, value = objective_of(max_throughput, min_energy, deadline_s, budget_j)
-    except KareusError as exc:
-        raise KareusError(f"{exc}; {_list_command(result)} lists every plan") from None
+    capped = power_cap_kw is not None or power_cap_w_per_gpu is not None
+    if power_cap_kw is not None and power_cap_w_per_gpu is not None:
+        raise KareusError("give one of --power-cap-kw and --power-cap-w-per-gpu")
+    objective, value = _objective(result, max_throughput, min_energy, deadline,
+                                  energy_budget, capped)
     method = _method_name(method)
     rd = ResultDir(result)
-    point = select(rd.frontier(method), objective, value)
-    p, _job = rd.read_plan(point["plan"])
+    frontier = rd.frontier(method)
+    if capped:
+        frontier = _under_cap(rd, frontier, power_cap_kw, power_cap_w_per_gpu,
+                              power_window_s)
+    point = select(frontier, objective, value)
+    p, job = rd.read_plan(point["plan"])
     path = rd.plan_file(p.id)
     over = over_limit(point, objective, value)
+    asked = (iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh)
+    run = (None if all(v is None for v in asked) else _run_cost(
+        rd, p, job, iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh))
     if json_out:
         print_json({**p.to_dict(), "path": str(path), "objective": objective,
                     "limit": value, "rounding_slack": rounding_slack(objective),
-                    "over_limit": over, "within_rounding_slack": bool(over)})
+                    "over_limit": over, "within_rounding_slack": bool(over),
+                    "training_run": run.to_dict() if run is not None else None})
         return
     freqs = sorted(set(p.execution.instruction_freqs.values())) or [
         p.execution.default_freq_mhz]
@@ -91,10 +118,62 @@ def plan(
                   f"{'' if value is None else ' ' + _limit(objective, value)}): iteration "
                   f"{p.time_s:.4f} s, {p.energy_j / 1e3:.3f} kJ; clocks "
                   f"{freqs[0]}..{freqs[-1]} MHz; {path}")
+    if p.power is not None:
+        peak = trace_of(p.timeline, p.time_s, p.power).peak_w(power_window_s)
+        console.print(f"cluster power: mean {p.power.mean_w / 1e3:.2f} kW, peak "
+                      f"{peak / 1e3:.2f} kW over {power_window_s:g} s"
+                      + (" (under the cap)" if capped else ""))
+    if run is not None:
+        console.print(run.line())
     if over and value is not None:
         slack = _DEADLINE_SLACK if objective == "deadline" else _ENERGY_SLACK
         console.print(f"note: {_amount(objective, over)} over the exact limit "
                       f"{_limit(objective, value)}, within its {slack} rounding slack")
+
+
+def _objective(result: str, max_throughput: bool, min_energy: bool,
+               deadline: Optional[str], energy_budget: Optional[str], capped: bool
+               ) -> tuple[str, Optional[float]]:
+    """The one objective asked for and its limit; with a power cap alone, the fastest."""
+    deadline_s = None if deadline is None else parse_time_s(deadline)
+    budget_j = None if energy_budget is None else parse_energy_j(energy_budget)
+    if capped and not (max_throughput or min_energy or deadline_s is not None
+                       or budget_j is not None):
+        max_throughput = True
+    try:
+        return objective_of(max_throughput, min_energy, deadline_s, budget_j)
+    except KareusError as exc:
+        raise KareusError(f"{exc}; {_list_command(result)} lists every plan") from None
+
+
+def _run_cost(rd: ResultDir, p: Plan, job: dict[str, Any], iterations: Optional[int],
+              train_tokens: Optional[float], price_per_kwh: Optional[float],
+              g_co2_per_kwh: Optional[float]) -> RunCost:
+    """The training run with plan ``p`` against Megatron-LM's plan (its one clock: the
+    highest) over as many iterations."""
+    if iterations is None and train_tokens is None:
+        raise KareusError("--price-per-kwh and --grid-g-co2-per-kwh need --iterations or "
+                          "--train-tokens")
+    n = iterations_of(JobSpec.model_validate(job), iterations, train_tokens)
+    ref = min(rd.frontier("megatron"), key=lambda q: (q["time_s"], q["energy_j"]))
+    return RunCost.of(n, p.time_s, p.energy_j, float(ref["time_s"]),
+                      float(ref["energy_j"]), price_per_kwh, g_co2_per_kwh)
+
+
+def _under_cap(rd: ResultDir, frontier: list[dict[str, Any]], cap_kw: Optional[float],
+               cap_w_per_gpu: Optional[float], window_s: float) -> list[dict[str, Any]]:
+    """The frontier's plans whose peak power over ``window_s`` stays under the cap, each
+    peak from the plan's timeline (kareus.plans.power)."""
+    peaks, gpus = [], 0
+    for point in frontier:
+        p, _job = rd.read_plan(point["plan"])
+        if p.power is None:
+            raise KareusError(f"{rd.result_file} was written before plans recorded their "
+                              f"power; run `kareus optimize` again for a power cap")
+        peaks.append(trace_of(p.timeline, p.time_s, p.power).peak_w(window_s))
+        gpus = p.power.pp * p.power.gpus_per_rank
+    cap_w = cap_kw * 1e3 if cap_kw is not None else float(cap_w_per_gpu or 0.0) * gpus
+    return under_cap(frontier, cap_w, peaks, window_s)
 
 
 def _limit(objective: str, value: float) -> str:

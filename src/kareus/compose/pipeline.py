@@ -53,8 +53,8 @@ def evaluate(options: Options, costs: PipelineCosts, choice: dict[InstructionId,
     on its rank; where no pick is power-limited, the options' steady costs alone."""
     c = costs.shape
     picks = {iid: options[(iid[0], iid[2])][choice[iid]] for iid in c.ids}
-    _durations, t, per_gpu = _charged(c, [picks[iid] for iid in c.ids], costs)
-    dynamic = costs.gpus // costs.pp * (per_gpu + sum(costs.fixed_dynamic_j))
+    _durations, energies, t = _charged(c, [picks[iid] for iid in c.ids], costs)
+    dynamic = costs.gpus // costs.pp * (sum(energies) + sum(costs.fixed_dynamic_j))
     return PipelinePoint(t, dynamic + costs.gpus * t * costs.static_power_w, dynamic,
                          {iid: choice[iid] for iid in c.ids}, picks, options)
 
@@ -62,49 +62,55 @@ def evaluate(options: Options, costs: PipelineCosts, choice: dict[InstructionId,
 def charged_durations(point: PipelinePoint, costs: PipelineCosts) -> dict[InstructionId, float]:
     """Each instruction's duration as `evaluate` charged it (wait transients included):
     the durations the point's iteration time comes from."""
+    return {iid: t for iid, (t, _e) in charged_costs(point, costs).items()}
+
+
+def charged_costs(point: PipelinePoint, costs: PipelineCosts
+                  ) -> dict[InstructionId, tuple[float, float]]:
+    """Each instruction's (duration, dynamic energy on one GPU of its stage) as `evaluate`
+    charged them, wait transients included."""
     c = costs.shape
-    durations, _t, _e = _charged(c, [point.picks[iid] for iid in c.ids], costs)
-    return dict(zip(c.ids, durations, strict=True))
+    durations, energies, _t = _charged(c, [point.picks[iid] for iid in c.ids], costs)
+    return dict(zip(c.ids, zip(durations, energies, strict=True), strict=True))
 
 
 def _charged(c: Compiled, ordered: list[InstructionOption], costs: PipelineCosts
-             ) -> tuple[list[float], float, float]:
-    """Per instruction (``c.ids`` order) its charged duration, the iteration time, and one
-    GPU per rank's instruction dynamic energy summed over ranks."""
+             ) -> tuple[list[float], list[float], float]:
+    """Per instruction (``c.ids`` order) its charged duration and dynamic energy (one GPU
+    of its stage), and the iteration time."""
     out_delay = c.out_delays(costs.send_activation_s, costs.send_grad_s)
     rank_end = c.rank_end_s(costs.end_s)
     if any(o.transient is not None and o.transient.throttled for o in ordered):
         return _with_transients(c, ordered, out_delay, rank_end)
     durations = [o.time_s for o in ordered]
     _start, _finish, ends = run_times(c, durations, out_delay, rank_end)
-    return durations, max(ends), sum(o.dynamic_energy_j for o in ordered)
+    return durations, [o.dynamic_energy_j for o in ordered], max(ends)
 
 
 def _with_transients(c: Compiled, ordered: list[InstructionOption], out_delay: list[float],
-                     rank_end: list[float]) -> tuple[list[float], float, float]:
+                     rank_end: list[float]) -> tuple[list[float], list[float], float]:
     """`run_times` with each instruction's duration its option's time plus its transient
     after the wait since its rank's previous instruction finished (a rank's first: the
-    horizon, an idle GPU): the durations, the iteration time and one GPU per rank's
-    instruction dynamic energy summed over ranks. Durations are asked in each rank's order
-    (`run_times_at`), so the rank's previous instruction is the last one of that rank met."""
+    horizon, an idle GPU): the durations, the dynamic energies (one GPU) and the iteration
+    time. Durations are asked in each rank's order (`run_times_at`), so the rank's
+    previous instruction is the last one of that rank met."""
     durations = [0.0] * len(ordered)
+    energies = [0.0] * len(ordered)
     last_finish: list[float | None] = [None] * c.pp
-    dynamic_j = 0.0
 
     def duration_at(i: int, start: float) -> float:
-        nonlocal dynamic_j
         o, r = ordered[i], c.rank[i]
         dt, de = 0.0, 0.0
         if o.transient is not None:
             prev = last_finish[r]
             dt, de = o.transient.delta(WAIT_HORIZON_S if prev is None else start - prev)
         durations[i] = o.time_s + dt
+        energies[i] = o.dynamic_energy_j + de
         last_finish[r] = start + durations[i]
-        dynamic_j += o.dynamic_energy_j + de
         return durations[i]
 
     _start, _finish, ends = run_times_at(c, duration_at, out_delay, rank_end)
-    return durations, max(ends), dynamic_j
+    return durations, energies, max(ends)
 
 
 def evaluate_filled(options: Options, costs: PipelineCosts,

@@ -42,18 +42,45 @@ class TimelineEntry:
     freq_mhz: int
     critical: bool
     """On the critical path: any delay lengthens the iteration."""
+    dynamic_energy_j: float = 0.0
+    """Dynamic energy of the bar on one GPU of its stage (kareus.plans.power); 0 in plan
+    files written before it was recorded."""
 
     def to_dict(self) -> dict[str, Any]:
         # by hand: dataclasses.asdict deep-copies, and a large job writes ~10^5 entries
         return {"stage": self.stage, "microbatch": self.microbatch, "kind": self.kind,
                 "start_s": self.start_s, "time_s": self.time_s, "freq_mhz": self.freq_mhz,
-                "critical": self.critical}
+                "critical": self.critical, "dynamic_energy_j": self.dynamic_energy_j}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> TimelineEntry:
         return cls(int(doc["stage"]), int(doc["microbatch"]), str(doc["kind"]),
                    float(doc["start_s"]), float(doc["time_s"]), int(doc["freq_mhz"]),
-                   bool(doc["critical"]))
+                   bool(doc["critical"]), float(doc.get("dynamic_energy_j", 0.0)))
+
+
+@dataclass(frozen=True)
+class PlanPower:
+    """A plan's cluster power (kareus.plans.power): the mean over the iteration and the
+    peak of the moving average over ``window_s``, with what the trace needs to be drawn
+    again from the timeline (its ranks, GPUs per rank, static power per GPU)."""
+
+    mean_w: float
+    peak_w: float
+    window_s: float
+    pp: int
+    gpus_per_rank: int
+    static_power_w: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"mean_w": self.mean_w, "peak_w": self.peak_w, "window_s": self.window_s,
+                "pp": self.pp, "gpus_per_rank": self.gpus_per_rank,
+                "static_power_w": self.static_power_w}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> PlanPower:
+        return cls(float(doc["mean_w"]), float(doc["peak_w"]), float(doc["window_s"]),
+                   int(doc["pp"]), int(doc["gpus_per_rank"]), float(doc["static_power_w"]))
 
 
 @dataclass
@@ -67,17 +94,23 @@ class Plan:
     simulated_energy_j: float | None = None
     timeline: list[TimelineEntry] = field(default_factory=list)
     """The plan's 1F1B schedule as composed: every instruction and transfer."""
+    power: PlanPower | None = None
+    """Cluster power (None in plan files written before it was recorded)."""
 
     def summary(self) -> dict:
         return {"id": self.id, "method": self.method, "time_s": self.time_s,
                 "energy_j": self.energy_j, "simulated_time_s": self.simulated_time_s,
                 "simulated_energy_j": self.simulated_energy_j,
-                "sequential_instructions": len(self.execution.sequential)}
+                "sequential_instructions": len(self.execution.sequential),
+                "mean_power_w": self.power.mean_w if self.power else None,
+                "peak_power_w": self.power.peak_w if self.power else None,
+                "power_window_s": self.power.window_s if self.power else None}
 
     def to_dict(self, job: dict | None = None) -> dict:
         d = {"schema_version": SCHEMA_VERSION, **self.summary(),
              "execution": self.execution.to_dict(),
-             "timeline": [e.to_dict() for e in self.timeline]}
+             "timeline": [e.to_dict() for e in self.timeline],
+             "power": self.power.to_dict() if self.power else None}
         if job is not None:
             d["job"] = job
         return d
@@ -90,7 +123,8 @@ class Plan:
             return cls(str(doc["id"]), str(doc["method"]), float(doc["time_s"]),
                        float(doc["energy_j"]), ExecutionPlan.from_dict(doc["execution"]),
                        doc.get("simulated_time_s"), doc.get("simulated_energy_j"),
-                       [TimelineEntry.from_dict(e) for e in doc.get("timeline", [])])
+                       [TimelineEntry.from_dict(e) for e in doc.get("timeline", [])],
+                       PlanPower.from_dict(doc["power"]) if doc.get("power") else None)
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, SpecError):
                 raise

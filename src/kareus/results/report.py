@@ -91,15 +91,39 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
     if seq:
         lines += [f"{len(seq)} Kareus plans run some instructions without overlap "
                   f"(Megatron-style), where overlap did not pay.", ""]
+    lines += _power_lines(result)
     where = shlex.quote(str(out))
     lines += ["## Applying a plan", "",
               f"    kareus plan --result {where} --deadline SECONDS",
               f"    kareus plan --result {where} --energy-budget JOULES",
               f"    kareus plan --result {where} --max-throughput --json",
+              f"    kareus plan --result {where} --power-cap-kw KW",
               "",
               "Each plan file in `plans/` holds the clock of every pipeline instruction and "
               "the collective SMs and launch slot of every partition.", ""]
     return "\n".join(lines)
+
+
+def _power_lines(result: OptimizeResult) -> list[str]:
+    """Cluster power of each method's fastest and least-energy plans (kareus.plans.power)."""
+    rows = []
+    for method, plans in result.plans.items():
+        ends = [min(plans, key=lambda p: p.time_s), min(plans, key=lambda p: p.energy_j)]
+        if any(p.power is None for p in ends):
+            continue
+        cells = [f"{p.power.mean_w / 1e3:.2f} / {p.power.peak_w / 1e3:.2f}"
+                 for p in ends if p.power is not None]
+        rows.append(f"| {display_name(method)} | {cells[0]} | {cells[1]} |")
+    if not rows:
+        return []
+    window = next(p.power.window_s for ps in result.plans.values() for p in ps
+                  if p.power is not None)
+    return ["## Power", "",
+            f"Cluster power over the iteration, mean / peak of the {window:g} s moving "
+            f"average, kW, from each plan's composed timeline (static power on every GPU, "
+            f"each bar at its mean dynamic power; iterations back to back). "
+            f"`kareus plan --power-cap-kw KW` picks among the plans under a cap.", "",
+            "| method | fastest plan | least-energy plan |", "|---|---|---|", *rows, ""]
 
 
 def _searches_lines(result: OptimizeResult) -> list[str]:

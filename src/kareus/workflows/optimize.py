@@ -46,6 +46,7 @@ from kareus.plans.methods import (
 )
 from kareus.plans.metrics import method_metrics
 from kareus.plans.plan import Plan
+from kareus.plans.power import plan_power
 from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
@@ -357,7 +358,10 @@ def _plans(methods: Sequence[Method], solved: Solved, f_max: int,
                         time.perf_counter() - t0)
                 sim_t, sim_e = r.time_s, r.energy_j
                 worst = max(worst, abs(sim_t / pt.time_s - 1), abs(sim_e / pt.energy_j - 1))
+            bars = timeline(pt, costs, f_max)
+            power = plan_power(bars, pt.time_s, costs.pp, costs.gpus // costs.pp,
+                               costs.static_power_w)
             plans[method.name].append(Plan(execution.name, method.name, pt.time_s,
-                                           pt.energy_j, execution, sim_t, sim_e,
-                                           timeline(pt, costs, f_max)))
+                                           pt.energy_j, execution, sim_t, sim_e, bars,
+                                           power))
     return plans, worst

@@ -1,0 +1,87 @@
+"""A whole training run's energy, cost and emissions for a plan, against Megatron-LM at
+its highest clock (issue 26): one iteration's energy times the iterations, which
+``--iterations`` gives or ``--train-tokens`` implies (tokens per iteration: micro-batch
+size x microbatches x sequence length x data-parallel size). The energy is the GPUs' alone,
+as Kareus measures it (no host, network or cooling)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kareus.errors import SpecError
+from kareus.job.spec import JobSpec
+
+J_PER_MWH = 3.6e9
+
+
+def tokens_per_iteration(job: JobSpec) -> int:
+    return job.micro_batch_size * job.num_microbatches * job.seq_length * (job.dp or 1)
+
+
+def iterations_of(job: JobSpec, iterations: int | None, train_tokens: float | None) -> int:
+    """The run's iterations: given, or the tokens over the tokens per iteration (rounded
+    up); one of the two, positive."""
+    if (iterations is None) == (train_tokens is None):
+        raise SpecError("give one of --iterations and --train-tokens")
+    if iterations is not None:
+        if iterations < 1:
+            raise SpecError(f"--iterations must be positive, got {iterations}")
+        return iterations
+    assert train_tokens is not None
+    if not train_tokens > 0:
+        raise SpecError(f"--train-tokens must be positive, got {train_tokens:g}")
+    return math.ceil(train_tokens / tokens_per_iteration(job))
+
+
+@dataclass(frozen=True)
+class RunCost:
+    iterations: int
+    time_s: float
+    energy_mwh: float
+    reference_time_s: float
+    reference_energy_mwh: float
+    price_per_kwh: float | None = None
+    g_co2_per_kwh: float | None = None
+
+    @classmethod
+    def of(cls, iterations: int, time_s: float, energy_j: float, ref_time_s: float,
+           ref_energy_j: float, price_per_kwh: float | None = None,
+           g_co2_per_kwh: float | None = None) -> RunCost:
+        for name, v in (("--price-per-kwh", price_per_kwh),
+                        ("--grid-g-co2-per-kwh", g_co2_per_kwh)):
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise SpecError(f"{name} must be a number >= 0, got {v:g}")
+        return cls(iterations, iterations * time_s, iterations * energy_j / J_PER_MWH,
+                   iterations * ref_time_s, iterations * ref_energy_j / J_PER_MWH,
+                   price_per_kwh, g_co2_per_kwh)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "iterations": self.iterations, "time_s": self.time_s,
+            "energy_mwh": self.energy_mwh, "megatron_time_s": self.reference_time_s,
+            "megatron_energy_mwh": self.reference_energy_mwh,
+            "energy_saved_mwh": self.reference_energy_mwh - self.energy_mwh}
+        if self.price_per_kwh is not None:
+            d |= {"price_per_kwh": self.price_per_kwh,
+                  "cost": self.energy_mwh * 1e3 * self.price_per_kwh,
+                  "megatron_cost": self.reference_energy_mwh * 1e3 * self.price_per_kwh,
+                  "cost_saved": (self.reference_energy_mwh - self.energy_mwh) * 1e3
+                  * self.price_per_kwh}
+        if self.g_co2_per_kwh is not None:
+            d |= {"g_co2_per_kwh": self.g_co2_per_kwh,
+                  "co2_t": self.energy_mwh * self.g_co2_per_kwh * 1e-3,
+                  "megatron_co2_t": self.reference_energy_mwh * self.g_co2_per_kwh * 1e-3}
+        return d
+
+    def line(self) -> str:
+        d = self.to_dict()
+        out = (f"training run: {self.iterations:,} iterations, {self.time_s / 3600:,.1f} h, "
+               f"{self.energy_mwh:,.2f} MWh of GPU energy; Megatron-LM at max clock "
+               f"{self.reference_time_s / 3600:,.1f} h, {self.reference_energy_mwh:,.2f} MWh")
+        if self.price_per_kwh is not None:
+            out += f"; cost {d['cost']:,.0f} against {d['megatron_cost']:,.0f}"
+        if self.g_co2_per_kwh is not None:
+            out += f"; {d['co2_t']:,.1f} t CO2 against {d['megatron_co2_t']:,.1f}"
+        return out
