@@ -85,6 +85,12 @@ class BackendSpec:
         """Whole-iteration simulation of a plan, for validation (None: none)."""
         return None
 
+    def power_limited_simulator(self, workload: Workload, power_limit_w: float
+                                ) -> PlanSimulator | None:
+        """Whole-iteration simulation with the GPUs' board power limit set to
+        ``power_limit_w`` (the power-limited Megatron-LM baseline; None: none)."""
+        return None
+
     def journal_source(self) -> tuple[str, str | None] | None:
         """(journal, backend identity or None) when plans are to be composed from that
         journal alone, with nothing searched or measured (``--measurements``)."""

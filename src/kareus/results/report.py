@@ -31,9 +31,12 @@ def frontier_figure(frontiers: dict[str, list[tuple[float, float]]], path: Path,
         xs = [t for t, _ in sorted(pts)]
         ys = [e / 1e3 for _, e in sorted(pts)]
         single = len(pts) == 1
-        ax.plot(xs, ys, linestyle="none" if single else "-",
-                marker=rec.marker if rec else "o", markersize=9 if single else 4,
-                color=rec.color if rec else None, label=display_name(method), alpha=0.9)
+        # a series that is no method of the registry (the power-limited Megatron-LM
+        # runs): dashed, in a colour no method uses
+        ax.plot(xs, ys, linestyle="none" if single else ("-" if rec else "--"),
+                marker=rec.marker if rec else "x", markersize=9 if single else 4,
+                color=rec.color if rec else "#8c564b", label=display_name(method),
+                alpha=0.9)
         drawn.append(method)
     ax.set_xlabel("iteration time (s)")
     ax.set_ylabel("iteration energy, all GPUs (kJ)")
@@ -47,6 +50,16 @@ def frontier_figure(frontiers: dict[str, list[tuple[float, float]]], path: Path,
     fig.savefig(path, metadata=meta if str(path).endswith(".png") else None)
     plt.close(fig)
     return drawn
+
+
+def figure_frontiers(result: OptimizeResult) -> dict[str, list[tuple[float, float]]]:
+    """The methods' frontiers, and the power-limited Megatron-LM runs as one more
+    (kareus.workflows.power_limited), for the frontier figure."""
+    fronts = result.frontier_points()
+    if not result.power_limited:
+        return fronts
+    return {**fronts, "Megatron-LM, power-limited": sorted(
+        (r["time_s"], r["energy_j"]) for r in result.power_limited)}
 
 
 def _pct(x: float | None) -> str:
@@ -118,12 +131,17 @@ def _power_lines(result: OptimizeResult) -> list[str]:
         return []
     window = next(p.power.window_s for ps in result.plans.values() for p in ps
                   if p.power is not None)
+    limited = [f"{r['limit_fraction']:.0%}: {r['time_s']:.3f} s, "
+               f"{r['mean_power_w'] / 1e3:.2f} kW" for r in result.power_limited or []]
     return ["## Power", "",
             f"Cluster power over the iteration, mean / peak of the {window:g} s moving "
             f"average, kW, from each plan's composed timeline (static power on every GPU, "
             f"each bar at its mean dynamic power; iterations back to back). "
             f"`kareus plan --power-cap-kw KW` picks among the plans under a cap.", "",
-            "| method | fastest plan | least-energy plan |", "|---|---|---|", *rows, ""]
+            "| method | fastest plan | least-energy plan |", "|---|---|---|", *rows, "",
+            *([f"Megatron-LM at max clock under a GPU power limit (of TDP; time, mean "
+               f"power; simulated): {'; '.join(limited)}.", ""] if limited else []),
+            *iso_power_markdown([("this job", result.iso_power)])]
 
 
 def _searches_lines(result: OptimizeResult) -> list[str]:
@@ -310,3 +328,31 @@ def headline(result: OptimizeResult) -> str:
             f"the same energy; its fastest plan is "
             f"{pct('max_throughput_time_reduction_vs_megatron')} faster than Megatron-LM with "
             f"{pct('max_throughput_energy_reduction_vs_megatron')} less energy.")
+
+
+def iso_power_markdown(levels: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
+    """Iso-power rows, per (config, its levels): at Megatron-LM's mean cluster power and
+    at 80% of it, Kareus's, Perseus's and the power-limited Megatron-LM's iteration times
+    and Kareus's saving (kareus.workflows.power_limited)."""
+    rows = []
+    for name, lvs in levels:
+        for lv in lvs:
+            t = lv["time_s"]
+            rows.append(
+                f"| {name} | {lv['level_fraction']:.0%} ({lv['level_w'] / 1e3:.2f} kW) | "
+                f"{_s(t.get('kareus'))} | {_s(lv['megatron_power_limited_time_s'])} | "
+                f"{_s(t.get('perseus'))} | {_pct(lv['kareus_time_saving_vs_power_limited'])} "
+                f"| {_pct(lv['kareus_time_saving_vs_perseus'])} |")
+    if not rows:
+        return []
+    return ["## Iso-power", "",
+            "At Megatron-LM's mean cluster power (max clock) and at 80% of it: each "
+            "method's fastest plan whose mean power stays there, and Megatron-LM at max "
+            "clock under a lowered GPU power limit (the emulator's limiter at 100..50% of "
+            "TDP, interpolated between limits); time saved by Kareus (higher is better).",
+            "", "| config | power | Kareus s | Megatron-LM power-limited s | Perseus s | "
+            "vs power-limited | vs Perseus |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -43,6 +43,11 @@ class OptimizeResult:
     validation_per_method: int | None = None
     """At most this many plans of each method were simulated (a stratified sample: the
     fastest, the least-energy, evenly between); None where no plan was."""
+    power_limited: list[dict[str, float]] | None = None
+    """Megatron-LM at max clock under each board power limit
+    (kareus.workflows.power_limited); None where the backend cannot simulate it."""
+    iso_power: list[dict[str, Any]] = field(default_factory=list)
+    """Each method's time at Megatron-LM's mean cluster power and at 80% of it."""
 
     def validated_plans(self) -> tuple[int, int]:
         """(plans simulated, plans) over every method."""
@@ -108,6 +113,8 @@ class OptimizeResult:
             "searches": [{k: getattr(s, k) for k in _SEARCH_FIELDS}
                          | {"samples": len(s.samples), "frontier": len(s.frontier)}
                          for s in self.searches],
+            "megatron_power_limited": self.power_limited,
+            "iso_power": self.iso_power,
             "timings_s": self.timings_s,
             "this_run": {s.partition: {k: getattr(s, k) for k in _RUN_FIELDS}
                          for s in self.searches},

@@ -145,7 +145,12 @@ class ResultDir(OwnedDir):
         (`OwnedDir.swap`): a reader sees the old result or the new one, never a mix. The
         journal (and its lock) is carried over by hard links: never absent, copied or
         moved. A link is followed: its target gets the result."""
-        from kareus.results.report import frontier_figure, markdown_report, timeline_figure
+        from kareus.results.report import (
+            figure_frontiers,
+            frontier_figure,
+            markdown_report,
+            timeline_figure,
+        )
 
         job_doc = result.job.model_dump(mode="json")
         stamp = {"run_id": result.run_id, "job_id": result.job_id}
@@ -156,7 +161,7 @@ class ResultDir(OwnedDir):
             for plans in result.plans.values():
                 for p in plans:
                     new.plan_file(p.id).write_text(json.dumps({**p.to_dict(job_doc), **stamp}))
-            frontier_figure(result.frontier_points(), new.figure, result.job.describe())
+            frontier_figure(figure_frontiers(result), new.figure, result.job.describe())
             for which, plan in highlighted_plans(result).items():
                 timeline_figure(plan, new.timeline(which), result.job.describe(),
                                 clocks_mhz=result.job.freqs_mhz, pp=result.job.pp)

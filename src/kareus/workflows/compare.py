@@ -18,7 +18,7 @@ from kareus.plans.methods import (
     get_method,
     left_out_line,
 )
-from kareus.results.report import frontier_figure
+from kareus.results.report import figure_frontiers, frontier_figure, iso_power_markdown
 from kareus.results.sensitivity_report import range_note, sensitivity_markdown
 from kareus.search.loop import SearchConfig
 from kareus.workflows.executors import ExecutorSpec
@@ -77,7 +77,7 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
         assert r is not None  # the emulator: no rank measures only
         if log and r.left_out:
             log(f"{preset}: " + left_out_line([get_method(m) for m in r.left_out], job))
-        frontier_figure(r.frontier_points(), out / f"{preset}.png", job.describe())
+        frontier_figure(figure_frontiers(r), out / f"{preset}.png", job.describe())
         configs.append({
             "preset": preset,
             "job": job.describe(),
@@ -88,6 +88,8 @@ def run_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int = 0,
             "validation_max_rel_error": r.validation_max_error,
             "validation": r.validation(),
             "left_out": r.left_out,
+            "iso_power": r.iso_power,
+            "megatron_power_limited": r.power_limited,
         })
         if preset in ranged:
             cases.append(SensitivityCase.from_searches(
@@ -137,6 +139,10 @@ def compare_markdown(doc: dict[str, Any]) -> str:
                             else "") for k in METRIC_COLUMNS) + " |" for m in names]
     lines += ["| Kareus paper (up to) | " + " | ".join(_pct(doc["paper_headline"][k])
                                                       for k in METRIC_COLUMNS) + " |", ""]
+    lines += iso_power_markdown([(c["preset"], c.get("iso_power") or [])
+                                 for c in doc["configs"]])
     if sens:
         lines += sensitivity_markdown(sens, METRIC_COLUMNS, HEADS)
     return "\n".join(lines)
+
+

@@ -68,7 +68,10 @@ class EmulatorBackend:
         noise: float = 0.0,
         seed: int = 0,
         protocol: MeasurementProtocol | None = None,
+        power_limit_w: float | None = None,
     ) -> None:
+        """``power_limit_w``: the board power limit the limiter holds (default: the GPU's
+        TDP), as `nvidia-smi -pl` sets it (the power-limited Megatron-LM baseline)."""
         if gpu is None:
             gpu = job.gpu_spec if job is not None else get_gpu("A100-40GB")
         self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
@@ -82,7 +85,12 @@ class EmulatorBackend:
         self.static_power_w: float = self.gpu.static_power_w * self.params.static_power_scale
         self.physics = GPUPhysics(self.gpu, self.params)
         groups = internode_groups(job) if job is not None else frozenset()
-        self.timeline = Timeline(self.physics, self.static_power_w, self.gpu.tdp_w, groups)
+        if power_limit_w is not None and not 0 < power_limit_w <= self.gpu.tdp_w:
+            raise SpecError(f"a power limit must be in (0, {self.gpu.tdp_w:g}] W (the "
+                            f"{self.gpu.name}'s TDP), got {power_limit_w:g}")
+        self.power_limit_w = power_limit_w
+        self.timeline = Timeline(self.physics, self.static_power_w,
+                                 power_limit_w or self.gpu.tdp_w, groups)
         self._cache: dict[tuple[object, ...], Measurement] = {}
         self._transients: _Transients | None = None
 
@@ -98,7 +106,9 @@ class EmulatorBackend:
         """The GPU, the constants and the noise level; not the seed: a journal's
         measurements serve any later search, as real measurements would."""
         digest = hashlib.sha256(json.dumps(asdict(self.params), sort_keys=True).encode())
-        return f"{self.name}:{self.gpu.name}:noise={self.noise}:params={digest.hexdigest()[:12]}"
+        limit = f":limit={self.power_limit_w:g}W" if self.power_limit_w is not None else ""
+        return (f"{self.name}:{self.gpu.name}:noise={self.noise}:params="
+                f"{digest.hexdigest()[:12]}{limit}")
 
     # Backend protocol ----------------------------------------------------------------------
 

@@ -56,3 +56,12 @@ class EmulatorSpec(BackendSpec):
 
         return IterationSimulator(workload.partitions,
                                   EmulatorBackend(workload.job, calibration=self.calibration))
+
+    def power_limited_simulator(self, workload: Workload, power_limit_w: float
+                                ) -> PlanSimulator:
+        """The same, its limiter holding ``power_limit_w`` per GPU instead of the TDP."""
+        from kareus.backends.emulator.backend import EmulatorBackend
+        from kareus.backends.emulator.iteration import IterationSimulator
+
+        return IterationSimulator(workload.partitions, EmulatorBackend(
+            workload.job, calibration=self.calibration, power_limit_w=power_limit_w))
