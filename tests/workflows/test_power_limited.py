@@ -3,6 +3,8 @@ emulator it draws at most its board power limit and runs slower at lower limits;
 iso-power comparison picks each method's fastest plan at or under a power level, and
 interpolates the baseline between limits."""
 
+import itertools
+
 import pytest
 
 from kareus.backends.emulator import EmulatorBackend
@@ -37,7 +39,7 @@ def test_each_limit_is_drawn_at_most_and_lower_limits_run_slower(runs):
         assert r.limit_w == pytest.approx(JOB.gpu_spec.tdp_w * r.limit_fraction)
         assert per_gpu_w <= r.limit_w * 1.01, (r.limit_fraction, per_gpu_w)
     times = [r.time_s for r in runs]
-    assert all(b > a for a, b in zip(times, times[1:], strict=False))
+    assert all(b > a for a, b in itertools.pairwise(times))
     # the lowest limit binds: it runs well below the TDP's power, and slower
     assert runs[-1].mean_power_w < 0.75 * runs[0].mean_power_w
     assert runs[-1].time_s > 1.1 * runs[0].time_s

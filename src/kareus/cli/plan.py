@@ -27,6 +27,7 @@ from kareus.plans.plan import (
 from kareus.plans.power import trace_of, under_cap
 from kareus.plans.run_cost import RunCost, iterations_of
 from kareus.plans.units import parse_energy_j, parse_time_s
+from kareus.results.power_figure import power_figure
 from kareus.results.report import timeline_figure
 from kareus.results.resultdir import ResultDir
 
@@ -99,7 +100,13 @@ def plan(
     if capped:
         frontier = _under_cap(rd, frontier, power_cap_kw, power_cap_w_per_gpu,
                               power_window_s)
-    point = select(frontier, objective, value)
+    try:
+        point = select(frontier, objective, value)
+    except KareusError as exc:
+        if not capped:
+            raise
+        raise KareusError(f"{exc}, among the {len(frontier)} plans under the power cap"
+                          ) from None
     p, job = rd.read_plan(point["plan"])
     path = rd.plan_file(p.id)
     over = over_limit(point, objective, value)
@@ -172,6 +179,8 @@ def _under_cap(rd: ResultDir, frontier: list[dict[str, Any]], cap_kw: Optional[f
                               f"power; run `kareus optimize` again for a power cap")
         peaks.append(trace_of(p.timeline, p.time_s, p.power).peak_w(window_s))
         gpus = p.power.pp * p.power.gpus_per_rank
+    if cap_w_per_gpu is not None and not cap_w_per_gpu > 0:
+        raise KareusError(f"--power-cap-w-per-gpu must be positive, got {cap_w_per_gpu:g}")
     cap_w = cap_kw * 1e3 if cap_kw is not None else float(cap_w_per_gpu or 0.0) * gpus
     return under_cap(frontier, cap_w, peaks, window_s)
 
@@ -268,24 +277,42 @@ def plan_show(
     png: Annotated[Optional[str], typer.Option(
         "--png", help="Also draw the plan's 1F1B timeline into this file; its name must end "
                       "in .png (any case; other names are refused).")] = None,
+    power_png: Annotated[Optional[str], typer.Option(
+        "--power-png", help="Also draw the plan's cluster power over the iteration into "
+                            "this .png file: the ranks stacked, the total, its moving "
+                            "average over --power-window-s, the cap line with "
+                            "--power-cap-kw.")] = None,
+    power_cap_kw: Annotated[Optional[float], typer.Option(
+        "--power-cap-kw", help="With --power-png: the cap line, kW.")] = None,
+    power_window_s: Annotated[float, typer.Option(
+        "--power-window-s", help="With --power-png: the moving average's window, s.")] = 1.0,
     force: Annotated[bool, typer.Option(
-        "--force", help="Overwrite the --png file if it exists (never a result directory's "
-                        "own files).", metavar="")] = False,
+        "--force", help="Overwrite the --png / --power-png file if it exists (never a "
+                        "result directory's own files).", metavar="")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """A plan's clocks per instruction and its partition settings per clock; --png draws
-    its pipeline timeline (instructions coloured by clock, critical path outlined)."""
+    its pipeline timeline (instructions coloured by clock, critical path outlined),
+    --power-png its cluster power over time (docs/power.md)."""
     rd = ResultDir(result)
     out = None if png is None else _out_file(rd, result, png, "--png", force, ".png")
+    power_out = (None if power_png is None
+                 else _out_file(rd, result, power_png, "--power-png", force, ".png"))
+    if power_cap_kw is not None and not power_cap_kw > 0:
+        raise KareusError(f"--power-cap-kw must be positive, got {power_cap_kw:g}")
     p, job = _read_plan(rd, result, plan_id)
     rows = settings_by_clock(p)
+    if power_out is not None:
+        power_figure(p, power_out, str(job.get("model", {}).get("name", "")),
+                     power_window_s, None if power_cap_kw is None else power_cap_kw * 1e3)
     if out is not None:
         title = str(job.get("model", {}).get("name", ""))
         pp = job.get("pp")  # rows are ranks: virtual stages (interleaved 1F1B) share one
         write_file_atomic(out, lambda tmp: timeline_figure(
             p, tmp, title, pp=pp if isinstance(pp, int) and pp > 0 else None))
     if json_out:
-        print_json({**p.summary(), "settings": rows, "png": None if out is None else str(out)})
+        print_json({**p.summary(), "settings": rows, "png": None if out is None else str(out),
+                    "power_png": None if power_out is None else str(power_out)})
         return
     ex = p.execution
     freqs = sorted(set(ex.instruction_freqs.values())) or [ex.default_freq_mhz]
@@ -300,6 +327,8 @@ def plan_show(
     console.print(t)
     if out is not None:
         console.print(f"timeline written to {out}")
+    if power_out is not None:
+        console.print(f"power over time written to {power_out}")
 
 
 def settings_by_clock(plan: Plan) -> list[dict[str, Any]]:

@@ -1,0 +1,113 @@
+"""A plan's cluster power over one iteration, drawn (issue 26): each pipeline rank's power
+stacked, the cluster's total, its moving average over the power cap's window, the cap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kareus.errors import KareusError
+from kareus.plans.outfile import write_file_atomic
+from kareus.plans.plan import Plan, TimelineEntry
+from kareus.plans.power import DEFAULT_WINDOW_S, PowerTrace, trace_of
+
+
+def rank_traces(plan: Plan) -> list[PowerTrace]:
+    """Each pipeline rank's power: its GPUs' static power and its bars' dynamic power (a
+    bar of virtual stage s runs on rank s % pp); together they make the plan's trace."""
+    if plan.power is None:
+        raise KareusError(f"plan {plan.id} was written before plans recorded their power; "
+                          f"run `kareus optimize` again to draw it")
+    pw = plan.power
+    bars: list[list[TimelineEntry]] = [[] for _ in range(pw.pp)]
+    for e in plan.timeline:
+        bars[e.stage % pw.pp].append(e)
+    return [PowerTrace.of(b, plan.time_s, 1, pw.gpus_per_rank, pw.static_power_w)
+            for b in bars]
+
+
+def steps_at(trace: PowerTrace, t: np.ndarray) -> np.ndarray:
+    """The trace's power at each of ``t`` (within one period; a step holds from its start)."""
+    idx = np.searchsorted(trace.times_s, t, side="right") - 1
+    return trace.watts[np.clip(idx, 0, len(trace.watts) - 1)]
+
+
+def moving_average(trace: PowerTrace, t: np.ndarray, window_s: float) -> np.ndarray:
+    """The mean power over the ``window_s`` centred on each of ``t`` (the trace repeats
+    every period: iterations run back to back)."""
+    ends = np.append(trace.times_s, trace.period_s)
+    acc = np.concatenate([[0.0], np.cumsum(trace.watts * np.diff(ends))])
+
+    def energy_to(x: np.ndarray) -> np.ndarray:
+        k, r = np.divmod(x, trace.period_s)
+        return np.asarray(k * acc[-1] + np.interp(r, ends, acc))
+
+    return (energy_to(t + window_s / 2) - energy_to(t - window_s / 2)) / window_s
+
+
+def power_figure(plan: Plan, path: Path, title: str, window_s: float = DEFAULT_WINDOW_S,
+                 cap_w: float | None = None) -> None:
+    """Draw the plan's power over one iteration into ``path`` (written atomically; a PNG's
+    Description metadata states the peak and the cap): each rank's power stacked, the
+    cluster total, its moving average over ``window_s`` (dashed), the cap ``cap_w`` (red)
+    when given. KareusError for a plan without recorded power."""
+    ranks = rank_traces(plan)
+    assert plan.power is not None  # rank_traces checked
+    total = trace_of(plan.timeline, plan.time_s, plan.power)
+    peak = total.peak_w(window_s)  # SpecError for a window that is not positive
+    t_end = plan.time_s
+    # every rank's edges: the stacked steps change exactly there
+    edges = np.unique(np.concatenate([r.times_s for r in ranks]))
+    x = np.append(edges, t_end)
+    ys = []
+    for r in ranks:
+        w = steps_at(r, edges)
+        ys.append(np.append(w, w[-1]) / 1e3)  # the last step holds to the iteration's end
+    line = np.append(w := steps_at(total, edges), w[-1]) / 1e3  # the sum of the ranks
+    t = np.linspace(0.0, t_end, 1000)
+    avg = moving_average(total, t, window_s) / 1e3
+    desc = f"peak over {window_s:g} s: {peak / 1e3:.3f} kW; cap: " + (
+        "none" if cap_w is None else f"{cap_w / 1e3:.3f} kW")
+
+    def draw(tmp: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120, layout="constrained")
+        try:
+            _draw(ax)
+            fig.savefig(tmp, metadata={"Description": desc} if str(tmp).endswith(".png")
+                        else None)
+        finally:
+            plt.close(fig)
+
+    def _draw(ax: Any) -> None:
+        from matplotlib import colormaps
+
+        cmap = colormaps["tab20" if len(ranks) > 10 else "tab10"]
+        ax.stackplot(x, *ys, step="post", colors=[cmap(i % cmap.N) for i in range(len(ys))],
+                     labels=[f"rank {i}" for i in range(len(ys))], alpha=0.75)
+        ax.step(x, line, where="post", color="black", linewidth=1.0,
+                label="cluster total")
+        ax.plot(t, avg, "--", color="#333333", linewidth=1.4,
+                label=f"{window_s:g} s moving average (peak {peak / 1e3:.2f} kW)")
+        tops = [float(line.max()), float(avg.max())]
+        if cap_w is not None:
+            ax.axhline(cap_w / 1e3, color="red", linewidth=1.4,
+                       label=f"cap {cap_w / 1e3:.2f} kW")
+            tops.append(cap_w / 1e3)
+        ax.set_xlim(0, t_end)
+        ax.set_ylim(0, max(tops) * 1.08 or 1.0)
+        ax.set_xlabel("time in the iteration (s)")
+        ax.set_ylabel("cluster power (kW)")
+        ax.set_title(f"{plan.id}: {plan.time_s:.3f} s, mean {total.mean_w / 1e3:.2f} kW, "
+                     f"{window_s:g} s peak {peak / 1e3:.2f} kW\n{title}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0),
+                  ncol=1 + len(ys) // 12)
+
+    write_file_atomic(path, draw)
