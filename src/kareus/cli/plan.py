@@ -96,17 +96,8 @@ def plan(
                                   energy_budget, capped)
     method = _method_name(method)
     rd = ResultDir(result)
-    frontier = rd.frontier(method)
-    if capped:
-        frontier = _under_cap(rd, frontier, power_cap_kw, power_cap_w_per_gpu,
-                              power_window_s)
-    try:
-        point = select(frontier, objective, value)
-    except KareusError as exc:
-        if not capped:
-            raise
-        raise KareusError(f"{exc}, among the {len(frontier)} plans under the power cap"
-                          ) from None
+    point = _chosen(rd, method, objective, value, power_cap_kw, power_cap_w_per_gpu,
+                    power_window_s)
     p, job = rd.read_plan(point["plan"])
     path = rd.plan_file(p.id)
     over = over_limit(point, objective, value)
@@ -136,6 +127,24 @@ def plan(
         slack = _DEADLINE_SLACK if objective == "deadline" else _ENERGY_SLACK
         console.print(f"note: {_amount(objective, over)} over the exact limit "
                       f"{_limit(objective, value)}, within its {slack} rounding slack")
+
+
+def _chosen(rd: ResultDir, method: str, objective: str, value: Optional[float],
+            cap_kw: Optional[float], cap_w_per_gpu: Optional[float], window_s: float
+            ) -> dict[str, Any]:
+    """The frontier point ``objective`` picks, among the plans under the power cap when
+    one is given."""
+    frontier = rd.frontier(method)
+    capped = cap_kw is not None or cap_w_per_gpu is not None
+    if capped:
+        frontier = _under_cap(rd, frontier, cap_kw, cap_w_per_gpu, window_s)
+    try:
+        return select(frontier, objective, value)
+    except KareusError as exc:
+        if not capped:
+            raise
+        raise KareusError(f"{exc}, among the {len(frontier)} plans under the power cap"
+                          ) from None
 
 
 def _objective(result: str, max_throughput: bool, min_energy: bool,
