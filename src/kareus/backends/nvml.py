@@ -33,6 +33,7 @@ from kareus.errors import KareusError, SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import GPUDevice
 from kareus.gpu.kernels import build_kernel, import_torch, stand_in_collective
+from kareus.gpu.power_guard import PowerLimitGuard
 from kareus.gpu.runtimes import PartitionRuntime, Runner, check_runtime, runtime_class
 from kareus.job.spec import JobSpec
 from kareus.workload.layer import LayerShapes
@@ -53,8 +54,10 @@ class NvmlBackend:
                  static_power_w: float | None = None, warmup_runs: int = 3,
                  min_runs: int = 3, collective: CollectiveFactory | None = None,
                  name: str = "nvml", agree: Callable[[int], int] | None = None,
-                 runtime: str = "kernels") -> None:
+                 runtime: str = "kernels", power_limit_w: float | None = None) -> None:
         self.name = name
+        self.power_limit_w = power_limit_w
+        """The board power limit Kareus set for these measurements (None: untouched)."""
         """"nvml"; "fakegpu" for the CPU kernels with a fake device's energy counter."""
         self.job = job
         self.gpu = job.gpu_spec
@@ -83,11 +86,15 @@ class NvmlBackend:
         """When the clock was last locked to another value (its settle began)."""
 
     def identity(self) -> str:
-        """``nvml:<GPU>``, plus ``:static=<W>W`` when the static power was measured on the
-        spot (its measurements' static and dynamic energies differ from the catalog's),
-        plus ``:runtime=<name>`` when another runtime than the project's kernels computes
-        (its numbers are other kernels' and never mix with theirs)."""
+        """``nvml:<GPU>``, plus ``:limit=<W>W`` when the board power limit is below the
+        GPU's TDP (its numbers are another GPU's, in effect), ``:static=<W>W`` when the
+        static power was measured on the spot (its measurements' static and dynamic
+        energies differ from the catalog's), plus ``:runtime=<name>`` when another runtime
+        than the project's kernels computes (its numbers are other kernels' and never mix
+        with theirs)."""
         parts = [self.name, self.gpu.name]
+        if self.power_limit_w is not None:  # measured under a power limit Kareus set
+            parts.append(f"limit={self.power_limit_w:g}W")
         if self.runtime_name != "kernels":
             parts.append(f"runtime={self.runtime_name}")
         if self.static_power_source != "catalog":
@@ -244,6 +251,11 @@ class NvmlSpec(BackendSpec):
         real_gpu=True, process_per_gpu=True, profiles_first=True)
     allow_clock_changes: bool = False
     """Kareus may lock SM clocks (always reset on exit)."""
+    power_limit_w: float | None = None
+    """Measure with the board power limit set to this (kareus.gpu.power_guard); None: the
+    limit in force is not touched."""
+    allow_power_limit_changes: bool = False
+    """Kareus may set the board power limit (always restored on exit)."""
     gpu_index: int = 0
     torch_device: str | None = None
     """Where the kernels run (default ``cuda:<gpu_index>``)."""
@@ -255,6 +267,11 @@ class NvmlSpec(BackendSpec):
         super().check(job, here)
         if self.gpu_index < 0:
             raise SpecError(f"--gpu-index must be >= 0, got {self.gpu_index}")
+        if self.power_limit_w is not None and not self.power_limit_w > 0:
+            raise SpecError(f"--power-limit-w must be positive, got {self.power_limit_w:g}")
+        if self.power_limit_w is not None and not self.allow_power_limit_changes:
+            raise SpecError(f"--power-limit-w {self.power_limit_w:g} needs "
+                            f"--allow-power-limit-changes (the limit is restored on exit)")
         if here:
             # no GPU, no NVML, no Zeus, no PyTorch: say so before any work starts, and
             # before asking for permissions that would not help
@@ -286,10 +303,14 @@ class NvmlSpec(BackendSpec):
         with ExitStack() as stack:
             guard = stack.enter_context(ClockGuard(
                 device, allow_changes=self.allow_clock_changes, lock_dir=self._lock_dir(stack)))
+            if self.power_limit_w is not None:
+                stack.enter_context(PowerLimitGuard(
+                    device, allow_changes=self.allow_power_limit_changes)
+                ).set(self.power_limit_w)
             yield NvmlBackend(job, device, guard, protocol=self.protocol,
                               torch_device=self.torch_device or self._default_device(),
                               collective=collectives, name=self.kind, agree=agree,
-                              runtime=self.runtime)
+                              runtime=self.runtime, power_limit_w=self.power_limit_w)
 
     def for_rank(self, local_rank: int, device: str | None) -> NvmlSpec:
         return replace(self, gpu_index=local_rank, torch_device=self.torch_device or device)

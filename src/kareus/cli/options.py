@@ -54,9 +54,8 @@ def _opt(*decls: str, help: str, panel: str, metavar: str | None = None) -> Any:
 def with_backend(default: str = "emulator", measurements: bool = False
                  ) -> Callable[[F], F]:
     """The backend options; the command receives ``backend: BackendSpec`` (the kind's own
-    spec, which takes only its own options). ``measurements``: the command also takes
-    ``--measurements JOURNAL``: plans composed from that journal alone (a replay spec that
-    composes only)."""
+    spec, which takes only its own options). ``measurements``: also ``--measurements
+    JOURNAL``: plans composed from that journal alone (a replay spec composing only)."""
     p = "Backend"
     options: list[Option] = [
         ("backend_name", Annotated[str, _opt(
@@ -74,6 +73,7 @@ def with_backend(default: str = "emulator", measurements: bool = False
         ("allow_clock_changes", Annotated[bool, _opt(
             "--allow-clock-changes", panel=p, help="Real GPUs: let Kareus lock SM clocks "
             "(always reset on exit). Without it no clock is touched.", metavar="")], False),
+        *_power_limit_options(p),
         ("gpu_index", Annotated[int, _opt("--gpu-index", panel=p, help="Real GPUs: which "
                                                                       "GPU.")], 0),
         ("runtime", Annotated[Optional[str], _opt(
@@ -121,6 +121,7 @@ def with_backend(default: str = "emulator", measurements: bool = False
         # the options the user set, by the spec field they fill (one another kind takes is
         # refused); the seed always (it seeds the search too), the protocol where given
         given = {k: v[k] for k in ("noise", "calibration", "allow_clock_changes",
+                                   "power_limit_w", "allow_power_limit_changes",
                                    "gpu_index", "runtime", "replay_journal",
                                    "replay_identity")
                  if v[k] != defaults[k]}
@@ -130,6 +131,18 @@ def with_backend(default: str = "emulator", measurements: bool = False
         return spec_from_options(name, given)
 
     return injects("backend", options, build)
+
+
+def _power_limit_options(p: str) -> list[Option]:
+    return [
+        ("power_limit_w", Annotated[Optional[float], _opt(
+            "--power-limit-w", panel=p, help="Real GPUs: measure with the board power "
+            "limit set to this many watts (needs --allow-power-limit-changes; restored on "
+            "exit; journaled as another backend). A profile per limit gives Megatron-LM "
+            "under a power limit (docs/power.md).")], None),
+        ("allow_power_limit_changes", Annotated[bool, _opt(
+            "--allow-power-limit-changes", panel=p, help="Real GPUs: let Kareus set the "
+            "board power limit (always restored on exit).", metavar="")], False)]
 
 
 def with_executor() -> Callable[[F], F]:

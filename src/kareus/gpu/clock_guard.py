@@ -41,7 +41,39 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class ClockGuard:
+class RestoreOnExit:
+    """Runs ``restore`` on every exit path a process can catch: leaving the block (normally
+    or by an exception), SIGINT and SIGTERM (then ends the process as the signal would:
+    KeyboardInterrupt, or exit status 128 + 15), and interpreter exit."""
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def _install(self) -> None:
+        self._previous: dict[int, object] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # outside the main thread signals cannot be caught: the other exit paths remain
+            with contextlib.suppress(ValueError):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        atexit.register(self.restore)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.restore()
+        finally:
+            for sig, handler in getattr(self, "_previous", {}).items():
+                signal.signal(sig, handler)
+            self._previous = {}
+            atexit.unregister(self.restore)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.restore()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+
+class ClockGuard(RestoreOnExit):
     def __init__(self, device: GPUDevice, allow_changes: bool = False,
                  lock_dir: str | None = None) -> None:
         self.device = device
@@ -49,34 +81,14 @@ class ClockGuard:
         self.path = lock_path(device.index, lock_dir)
         self.locked_mhz: int | None = None
         self.stale_warning: str | None = None
-        self._previous: dict[int, object] = {}
         self._supported: frozenset[int] | None = None
 
     # Context -------------------------------------------------------------------------------
 
     def __enter__(self) -> ClockGuard:
         self._handle_stale_lock()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            # outside the main thread signals cannot be caught: the other exit paths remain
-            with contextlib.suppress(ValueError):
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-        atexit.register(self.restore)
+        self._install()
         return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.restore()
-        finally:
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
-            self._previous.clear()
-            atexit.unregister(self.restore)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.restore()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
 
     # Clocks --------------------------------------------------------------------------------
 

@@ -41,6 +41,16 @@ class GPUDevice(Protocol):
         """Total energy counter since an arbitrary origin, in joules."""
         ...
 
+    def power_limit_w(self) -> float:
+        """The board power limit now in force, in watts."""
+        ...
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """The lowest and highest power limit the board accepts, in watts."""
+        ...
+
+    def set_power_limit_w(self, watts: float) -> None: ...
+
 
 @dataclass
 class FakeDevice:
@@ -58,15 +68,20 @@ class FakeDevice:
     """None: the counter integrates ``power_w`` whatever the clock."""
     calls: list[tuple] = field(default_factory=list)
     locked: tuple[int, int] | None = None
+    limit_w: float | None = None
+    """The board power limit (None: ``power_w``, the default); the counter's power is
+    capped at it."""
+    min_limit_w: float = 100.0
     _t_last: float = field(default_factory=time.monotonic)
     _energy_j: float = 0.0
 
     def power_at(self, freq_mhz: int) -> float:
-        """The power model: ``power_w`` at the default clock."""
+        """The power model: ``power_w`` at the default clock, at most the power limit."""
         if self.static_power_w is None:
-            return self.power_w
+            return min(self.power_w, self.power_limit_w())
         dynamic = max(self.power_w - self.static_power_w, 0.0)
-        return self.static_power_w + dynamic * (freq_mhz / self.default_clock_mhz) ** 2.5
+        return min(self.static_power_w + dynamic * (freq_mhz / self.default_clock_mhz) ** 2.5,
+                   self.power_limit_w())
 
     def _integrate(self) -> None:
         now = time.monotonic()
@@ -78,7 +93,8 @@ class FakeDevice:
             import json
 
             with open(self.state_path, "w") as f:
-                json.dump({"locked": self.locked, "calls": self.calls}, f)
+                json.dump({"locked": self.locked, "limit_w": self.limit_w,
+                           "calls": self.calls}, f)
 
     def supported_clocks_mhz(self) -> tuple[int, ...]:
         return self.clocks_mhz
@@ -101,6 +117,18 @@ class FakeDevice:
     def energy_j(self) -> float:
         self._integrate()
         return self._energy_j
+
+    def power_limit_w(self) -> float:
+        return self.power_w if self.limit_w is None else self.limit_w
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        return self.min_limit_w, self.power_w
+
+    def set_power_limit_w(self, watts: float) -> None:
+        self._integrate()
+        self.calls.append(("set_power_limit_w", watts))
+        self.limit_w = watts
+        self._save()
 
     @property
     def clock_calls(self) -> list[tuple]:
@@ -152,6 +180,23 @@ class ZeusDevice:
 
     def energy_j(self) -> float:
         return float(self._gpus.get_total_energy_consumption(self.index)) / 1000.0
+
+    def power_limit_w(self) -> float:
+        return float(self._gpus.get_power_management_limit(self.index)) / 1000.0
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        lo, hi = self._gpus.get_power_management_limit_constraints(self.index)
+        return float(lo) / 1000.0, float(hi) / 1000.0
+
+    def set_power_limit_w(self, watts: float) -> None:
+        try:
+            self._gpus.set_power_management_limit(self.index, round(watts * 1000))
+        except Exception as exc:
+            if "permission" in str(exc).lower() or "NoPermission" in type(exc).__name__:
+                raise GPUPermissionError(
+                    "setting the GPU power limit needs root or the SYS_ADMIN capability "
+                    "(or run without --power-limit-w)") from None
+            raise KareusError(f"cannot set GPU {self.index}'s power limit: {exc}") from None
 
 
 def _require_nvidia_gpu(index: int) -> None:
