@@ -351,3 +351,22 @@ def test_plan_show_draws_the_power_over_time(result, kareus, tmp_path):
                   "--power-png", str(tmp_path / "p2.png"), "--power-cap-kw", "-1")
     assert bad.code == 2 and "--power-cap-kw must be positive" in bad.err
     assert not (tmp_path / "p2.png").exists()
+
+
+def test_plan_show_png_has_the_power_panel_below_the_timeline(result, kareus, tmp_path):
+    import matplotlib.image
+
+    from kareus.plans.plan import Plan
+    from kareus.results.report import timeline_figure
+
+    out, _doc = result
+    png = tmp_path / "timeline.png"
+    r = run_cli("plan", "show", "--result", str(out), "--plan", kareus[0]["plan"],
+                "--png", str(png))
+    assert r.code == 0, r.err
+    plan = Plan.from_dict(json.loads((out / "plans" / f"{kareus[0]['plan']}.json")
+                                     .read_text()))
+    alone = tmp_path / "alone.png"
+    timeline_figure(plan, alone, "x", pp=2)  # the timeline without the panel
+    with_panel = matplotlib.image.imread(png).shape[0]
+    assert with_panel > 1.8 * matplotlib.image.imread(alone).shape[0]

@@ -27,7 +27,7 @@ from kareus.plans.plan import (
 from kareus.plans.power import trace_of, under_cap
 from kareus.plans.run_cost import RunCost, iterations_of
 from kareus.plans.units import parse_energy_j, parse_time_s
-from kareus.results.power_figure import power_figure
+from kareus.results.power_figure import power_figure, power_panel
 from kareus.results.report import timeline_figure
 from kareus.results.resultdir import ResultDir
 
@@ -284,17 +284,18 @@ def plan_show(
     result: ResultOpt,
     plan_id: PlanOpt,
     png: Annotated[Optional[str], typer.Option(
-        "--png", help="Also draw the plan's 1F1B timeline into this file; its name must end "
-                      "in .png (any case; other names are refused).")] = None,
+        "--png", help="Also draw the plan's 1F1B timeline, with its cluster power over "
+                      "time below, into this file; its name must end in .png (any case; "
+                      "other names are refused).")] = None,
     power_png: Annotated[Optional[str], typer.Option(
         "--power-png", help="Also draw the plan's cluster power over the iteration into "
                             "this .png file: the ranks stacked, the total, its moving "
                             "average over --power-window-s, the cap line with "
                             "--power-cap-kw.")] = None,
     power_cap_kw: Annotated[Optional[float], typer.Option(
-        "--power-cap-kw", help="With --power-png: the cap line, kW.")] = None,
+        "--power-cap-kw", help="The power panels' cap line, kW.")] = None,
     power_window_s: Annotated[float, typer.Option(
-        "--power-window-s", help="With --power-png: the moving average's window, s.")] = 1.0,
+        "--power-window-s", help="The power panels' moving average window, s.")] = 1.0,
     force: Annotated[bool, typer.Option(
         "--force", help="Overwrite the --png / --power-png file if it exists (never a "
                         "result directory's own files).", metavar="")] = False,
@@ -317,8 +318,12 @@ def plan_show(
     if out is not None:
         title = str(job.get("model", {}).get("name", ""))
         pp = job.get("pp")  # rows are ranks: virtual stages (interleaved 1F1B) share one
+        # below the timeline, the plan's power over time (plans written before power was
+        # recorded have the timeline alone)
+        panel = (power_panel(p, title, power_window_s, None if power_cap_kw is None
+                             else power_cap_kw * 1e3)[1] if p.power is not None else None)
         write_file_atomic(out, lambda tmp: timeline_figure(
-            p, tmp, title, pp=pp if isinstance(pp, int) and pp > 0 else None))
+            p, tmp, title, pp=pp if isinstance(pp, int) and pp > 0 else None, panel=panel))
     if json_out:
         print_json({**p.summary(), "settings": rows, "png": None if out is None else str(out),
                     "power_png": None if power_out is None else str(power_out)})

@@ -3,6 +3,7 @@ stacked, the cluster's total, its moving average over the power cap's window, th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,30 @@ def power_figure(plan: Plan, path: Path, title: str, window_s: float = DEFAULT_W
     Description metadata states the peak and the cap): each rank's power stacked, the
     cluster total, its moving average over ``window_s`` (dashed), the cap ``cap_w`` (red)
     when given. KareusError for a plan without recorded power."""
+    desc, panel = power_panel(plan, title, window_s, cap_w)
+
+    def draw(tmp: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120, layout="constrained")
+        try:
+            panel(ax)
+            fig.savefig(tmp, metadata={"Description": desc} if str(tmp).endswith(".png")
+                        else None)
+        finally:
+            plt.close(fig)
+
+    write_file_atomic(path, draw)
+
+
+def power_panel(plan: Plan, title: str, window_s: float = DEFAULT_WINDOW_S,
+                cap_w: float | None = None) -> tuple[str, Callable[[Any], None]]:
+    """(a description of the peak and the cap, a function drawing the plan's power over
+    time on a matplotlib Axes): what `power_figure` draws, for a panel of another figure
+    (the timeline of `kareus plan show --png`)."""
     ranks = rank_traces(plan)
     assert plan.power is not None  # rank_traces checked
     total = trace_of(plan.timeline, plan.time_s, plan.power)
@@ -70,20 +95,6 @@ def power_figure(plan: Plan, path: Path, title: str, window_s: float = DEFAULT_W
     avg = moving_average(total, t, window_s) / 1e3
     desc = f"peak over {window_s:g} s: {peak / 1e3:.3f} kW; cap: " + (
         "none" if cap_w is None else f"{cap_w / 1e3:.3f} kW")
-
-    def draw(tmp: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120, layout="constrained")
-        try:
-            _draw(ax)
-            fig.savefig(tmp, metadata={"Description": desc} if str(tmp).endswith(".png")
-                        else None)
-        finally:
-            plt.close(fig)
 
     def _draw(ax: Any) -> None:
         from matplotlib import colormaps
@@ -110,4 +121,4 @@ def power_figure(plan: Plan, path: Path, title: str, window_s: float = DEFAULT_W
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0),
                   ncol=1 + len(ys) // 12)
 
-    write_file_atomic(path, draw)
+    return desc, _draw

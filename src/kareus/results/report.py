@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,8 @@ def _power_lines(result: OptimizeResult) -> list[str]:
     return ["## Power", "",
             f"Cluster power over the iteration, mean / peak of the {window:g} s moving "
             f"average, kW, from each plan's composed timeline (static power on every GPU, "
-            f"each bar at its mean dynamic power; iterations back to back). "
+            f"each bar at its mean dynamic power; iterations back to back); the timelines "
+            f"above show the power over time below each plan's schedule. "
             f"`kareus plan --power-cap-kw KW` picks among the plans under a cap.", "",
             "| method | fastest plan | least-energy plan |", "|---|---|---|", *rows, "",
             *([f"Megatron-LM at max clock under a GPU power limit (of TDP; time, mean "
@@ -226,14 +227,17 @@ def _validation_line(error: float | None, simulated: int, plans: int) -> str:
 
 
 def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int] = (),
-                    pp: int | None = None) -> None:
+                    pp: int | None = None,
+                    panel: Callable[[Any], None] | None = None) -> None:
     """The plan's 1F1B timeline: one row per pipeline rank (``pp`` of them; every stage its
     own rank when not given), instructions coloured by clock (F/B and the microbatch
     written on wide bars, then ``.chunk`` with interleaved 1F1B: a virtual stage's chunk
     is stage // pp), transfers grey, critical instructions outlined; cropped to what is
     drawn. The colour scale spans ``clocks_mhz`` (the job's clocks:
     every timeline of a job on one scale) and the plan's own clocks; a PNG's Description
-    metadata states it ("SM clock scale: LO..HI MHz")."""
+    metadata states it ("SM clock scale: LO..HI MHz"). ``panel``: draws a second panel
+    below, on the same time axis (the plan's power over time: kareus.results.power_figure).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,7 +253,14 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
     lo, hi = min(clocks), max(clocks)
     norm = Normalize(lo, hi) if lo < hi else Normalize(lo - 1, hi + 1)
     cmap = colormaps["viridis"]
-    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * ranks), dpi=120, layout="constrained")
+    if panel is None:
+        fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * ranks), dpi=120,
+                               layout="constrained")
+    else:
+        fig, (ax, below) = plt.subplots(
+            2, 1, figsize=(10, 4.4 + 0.55 * ranks), dpi=120, layout="constrained",
+            height_ratios=(0.9 + 0.55 * ranks, 3.5))
+        panel(below)
     end = max((e.start_s + e.time_s for e in entries), default=1.0)
     # one collection per row and kind (a patch per bar took 20 s for a 16-stage pipeline)
     rows: dict[tuple[int, str], dict[str, list]] = {}
@@ -279,7 +290,7 @@ def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int
     ax.set_yticks(range(ranks), [f"{row} {ranks - 1 - i}" for i in range(ranks)])
     ax.set_ylim(-0.5, ranks - 0.5)
     ax.set_xlim(0, end * 1.005)
-    ax.set_xlabel("time (s)")
+    ax.set_xlabel("time (s)" if panel is None else " ")  # a panel below has the axis label
     ax.set_title(f"{plan.id}: {plan.time_s:.3f} s, {plan.energy_j / 1e3:.2f} kJ\n{title}",
                  fontsize=9)
     bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01,

@@ -145,6 +145,7 @@ class ResultDir(OwnedDir):
         (`OwnedDir.swap`): a reader sees the old result or the new one, never a mix. The
         journal (and its lock) is carried over by hard links: never absent, copied or
         moved. A link is followed: its target gets the result."""
+        from kareus.results.power_figure import power_panel
         from kareus.results.report import (
             figure_frontiers,
             frontier_figure,
@@ -163,8 +164,12 @@ class ResultDir(OwnedDir):
                     new.plan_file(p.id).write_text(json.dumps({**p.to_dict(job_doc), **stamp}))
             frontier_figure(figure_frontiers(result), new.figure, result.job.describe())
             for which, plan in highlighted_plans(result).items():
+                # with the plan's power over time below its timeline
+                panel = (power_panel(plan, result.job.describe())[1]
+                         if plan.power is not None else None)
                 timeline_figure(plan, new.timeline(which), result.job.describe(),
-                                clocks_mhz=result.job.freqs_mhz, pp=result.job.pp)
+                                clocks_mhz=result.job.freqs_mhz, pp=result.job.pp,
+                                panel=panel)
             new.report.write_text(markdown_report(result, self.path))
             new.result_file.write_text(json.dumps(result.to_dict(), indent=1))
 
