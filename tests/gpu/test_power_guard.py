@@ -119,7 +119,9 @@ def _args(tmp_path):
 
 
 def test_a_power_limit_needs_its_permission_flag(tmp_path):
-    r = run_cli("profile", *_args(tmp_path), "--power-limit-w", "250")
+    # checked before anything opens (no PyTorch needed to be refused)
+    r = run_cli("profile", "-p", "kareus-1", "--backend", "fakegpu", "--journal",
+                str(tmp_path / "j.sqlite"), "--power-limit-w", "250")
     assert r.code == 2 and "--allow-power-limit-changes" in r.err
     assert "Traceback" not in r.err and not (tmp_path / "j.sqlite").exists()
 
