@@ -12,7 +12,7 @@ from PIL import Image
 from kareus.errors import KareusError, SpecError
 from kareus.plans.plan import PlanPower, TimelineEntry
 from kareus.plans.power import trace_of
-from kareus.results.power_figure import moving_average, power_figure, rank_traces, steps_at
+from kareus.results.power_figure import power_figure, rank_traces
 from kareus.results.resultdir import ResultDir
 from tests.conftest import run_cli
 
@@ -82,7 +82,7 @@ def test_the_ranks_add_up_to_the_plan(plans):
         assert all(r.watts.min() >= floor * (1 - 1e-12) for r in ranks)
         # at any moment, the ranks' power is the cluster's: the bars of a rank by hand
         t = np.linspace(0.0, plan.time_s, 997, endpoint=False)
-        total = sum(steps_at(r, t) for r in ranks)
+        total = sum(r.at(t) for r in ranks)
         by_hand = np.full_like(t, plan.power.pp * floor)
         for e in plan.timeline:
             if e.time_s > 0:
@@ -97,12 +97,12 @@ def test_the_dashed_line_peaks_at_the_recorded_peak(plans):
     for plan in plans:
         trace = trace_of(plan.timeline, plan.time_s, plan.power)
         t = np.linspace(0.0, plan.time_s, 20001)
-        avg = moving_average(trace, t, 1.0)
+        avg = trace.moving_average_w(t, 1.0)
         spread = trace.max_w - float(trace.watts.min())
         assert avg.max() <= plan.power.peak_w * (1 + 1e-9)
         assert avg.max() >= plan.power.peak_w - spread * plan.time_s / 20000
         # over a whole iteration: the mean, everywhere
-        assert np.allclose(moving_average(trace, t, plan.time_s), plan.power.mean_w,
+        assert np.allclose(trace.moving_average_w(t, plan.time_s), plan.power.mean_w,
                            rtol=1e-9)
 
 
@@ -129,8 +129,8 @@ def test_virtual_stages_draw_on_their_rank(plans, tmp_path):
     r0, r1 = rank_traces(plan)
     t = np.array([0.5, 1.5, 2.5, 3.5])
     # rank 0: 2 * (50 + 100), 2 * 50, 2 * (50 + 200), same; rank 1: 100, 2 * (50 + 300), ...
-    assert steps_at(r0, t).tolist() == pytest.approx([300.0, 100.0, 500.0, 500.0])
-    assert steps_at(r1, t).tolist() == pytest.approx([100.0, 700.0, 100.0, 100.0])
+    assert r0.at(t).tolist() == pytest.approx([300.0, 100.0, 500.0, 500.0])
+    assert r1.at(t).tolist() == pytest.approx([100.0, 700.0, 100.0, 100.0])
     # static 2 ranks * 2 GPUs * 50 W * 4 s = 800 J, dynamic 2 * (100 + 300 + 400) = 1600 J;
     # (rank 0: 400 + 2 * 500 J, rank 1: 400 + 2 * 300 J); the cluster: 400 W, 800 W,
     # 600 W, 600 W: its 1 s peak is 800 W

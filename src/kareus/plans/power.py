@@ -74,7 +74,12 @@ class PowerTrace:
         """The instantaneous peak (every bar at its mean power)."""
         return float(self.watts.max())
 
-    def _cumulative(self, t: np.ndarray) -> np.ndarray:
+    def at(self, t: np.ndarray) -> np.ndarray:
+        """The power at each of ``t`` (within one period; a step holds from its start)."""
+        idx = np.searchsorted(self.times_s, t, side="right") - 1
+        return self.watts[np.clip(idx, 0, len(self.watts) - 1)]
+
+    def energy_to_j(self, t: np.ndarray) -> np.ndarray:
         """Energy from 0 to each of ``t`` (any real times: the trace repeats)."""
         ends = np.append(self.times_s, self.period_s)
         acc = np.concatenate([[0.0], np.cumsum(self.watts * np.diff(ends))])
@@ -89,14 +94,18 @@ class PowerTrace:
         # start or an end on a step of the trace
         starts = np.concatenate([self.times_s, np.mod(self.times_s - window_s,
                                                       self.period_s)])
-        energy = self._cumulative(starts + window_s) - self._cumulative(starts)
+        energy = self.energy_to_j(starts + window_s) - self.energy_to_j(starts)
         return float(energy.max() / window_s)
+
+    def moving_average_w(self, t: np.ndarray, window_s: float) -> np.ndarray:
+        """The mean power over the ``window_s`` centred on each of ``t``."""
+        half = window_s / 2
+        return (self.energy_to_j(t + half) - self.energy_to_j(t - half)) / window_s
 
     def sample(self, points: int = 2000) -> tuple[np.ndarray, np.ndarray]:
         """(times, watts) on an even grid over one period (for a picture)."""
         t = np.linspace(0.0, self.period_s, points, endpoint=False)
-        idx = np.searchsorted(self.times_s, t, side="right") - 1
-        return t, self.watts[np.clip(idx, 0, len(self.watts) - 1)]
+        return t, self.at(t)
 
 
 def plan_power(timeline: Sequence[TimelineEntry], iteration_s: float, pp: int,

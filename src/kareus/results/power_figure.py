@@ -29,25 +29,6 @@ def rank_traces(plan: Plan) -> list[PowerTrace]:
             for b in bars]
 
 
-def steps_at(trace: PowerTrace, t: np.ndarray) -> np.ndarray:
-    """The trace's power at each of ``t`` (within one period; a step holds from its start)."""
-    idx = np.searchsorted(trace.times_s, t, side="right") - 1
-    return trace.watts[np.clip(idx, 0, len(trace.watts) - 1)]
-
-
-def moving_average(trace: PowerTrace, t: np.ndarray, window_s: float) -> np.ndarray:
-    """The mean power over the ``window_s`` centred on each of ``t`` (the trace repeats
-    every period: iterations run back to back)."""
-    ends = np.append(trace.times_s, trace.period_s)
-    acc = np.concatenate([[0.0], np.cumsum(trace.watts * np.diff(ends))])
-
-    def energy_to(x: np.ndarray) -> np.ndarray:
-        k, r = np.divmod(x, trace.period_s)
-        return np.asarray(k * acc[-1] + np.interp(r, ends, acc))
-
-    return (energy_to(t + window_s / 2) - energy_to(t - window_s / 2)) / window_s
-
-
 def power_figure(plan: Plan, path: Path, title: str, window_s: float = DEFAULT_WINDOW_S,
                  cap_w: float | None = None) -> None:
     """Draw the plan's power over one iteration into ``path`` (written atomically; a PNG's
@@ -88,11 +69,11 @@ def power_panel(plan: Plan, title: str, window_s: float = DEFAULT_WINDOW_S,
     x = np.append(edges, t_end)
     ys = []
     for r in ranks:
-        w = steps_at(r, edges)
+        w = r.at(edges)
         ys.append(np.append(w, w[-1]) / 1e3)  # the last step holds to the iteration's end
-    line = np.append(w := steps_at(total, edges), w[-1]) / 1e3  # the sum of the ranks
+    line = np.append(w := total.at(edges), w[-1]) / 1e3  # the sum of the ranks
     t = np.linspace(0.0, t_end, 1000)
-    avg = moving_average(total, t, window_s) / 1e3
+    avg = total.moving_average_w(t, window_s) / 1e3
     desc = f"peak over {window_s:g} s: {peak / 1e3:.3f} kW; cap: " + (
         "none" if cap_w is None else f"{cap_w / 1e3:.3f} kW")
 
