@@ -166,7 +166,7 @@ class ZeusDevice:
         try:
             self._gpus.set_gpu_locked_clocks(self.index, min_mhz, max_mhz)
         except Exception as exc:
-            if "permission" in str(exc).lower() or "NoPermission" in type(exc).__name__:
+            if _no_permission(exc):
                 raise GPUPermissionError(
                     "setting GPU clocks needs root or the SYS_ADMIN capability "
                     "(or run without --allow-clock-changes)") from None
@@ -192,11 +192,16 @@ class ZeusDevice:
         try:
             self._gpus.set_power_management_limit(self.index, round(watts * 1000))
         except Exception as exc:
-            if "permission" in str(exc).lower() or "NoPermission" in type(exc).__name__:
+            if _no_permission(exc):
                 raise GPUPermissionError(
                     "setting the GPU power limit needs root or the SYS_ADMIN capability "
                     "(or run without --power-limit-w)") from None
             raise KareusError(f"cannot set GPU {self.index}'s power limit: {exc}") from None
+
+
+def _no_permission(exc: Exception) -> bool:
+    """NVML refused a setting for want of privileges (Zeus passes NVML's error on)."""
+    return "permission" in str(exc).lower() or "NoPermission" in type(exc).__name__
 
 
 def _require_nvidia_gpu(index: int) -> None:

@@ -38,7 +38,7 @@ from kareus.job.spec import JobSpec
 from kareus.plans.methods import Method, all_methods, runnable_methods
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.store import Journal
-from kareus.workflows.profile_cost import CostSummary, StepsOutcome
+from kareus.workflows.profile_cost import CostSummary, StepsOutcome, group_gpus
 from kareus.workflows.step_fit import FitPolicy, measure_steps
 from kareus.workload.workload import Workload
 
@@ -77,8 +77,7 @@ class ProfileResult:
             partition_cost_s=part_cost, steps_measured=steps.measured,
             steps_fitted=steps.fitted, steps_cost_s=steps.cost_s,
             transients=steps.transients,
-            group_gpus=max((workload[k].collective.group_size for k in workload.keys),
-                           default=1),
+            group_gpus=group_gpus(workload),
             gpus_per_node=workload.job.gpus_per_node, parallel_groups=parallel_groups,
             wall_s=wall + steps.cost_s, protocol=protocol, estimate=False,
             partitions=len(self.searches),

@@ -20,6 +20,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kareus.core import MeasurementProtocol
+from kareus.workload.workload import Workload
+
+
+def group_gpus(workload: Workload) -> int:
+    """GPUs of the largest TP/CP group a partition of ``workload`` runs on: what one
+    measurement blocks."""
+    return max((workload[k].collective.group_size for k in workload.keys), default=1)
 
 
 def expected_clock_changes(draws: int, clocks: int) -> float:

@@ -34,10 +34,10 @@ from kareus.search.loop import SearchConfig
 from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.profile import _runnable
-from kareus.workflows.profile_cost import CostSummary, expected_clock_changes
+from kareus.workflows.profile_cost import CostSummary, expected_clock_changes, group_gpus
 from kareus.workflows.step_fit import (
-    THROTTLED_BELOW,
     FitPolicy,
+    held_down,
     plan_anchors,
     planned_clocks,
     series_key,
@@ -72,11 +72,10 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
             _steps(workload, measured, policy, protocol) if composition else (0, 0, 0.0, 0))
     parallel = len(keys) if executor is not None and executor.distributed and keys else 1
     wall = (max(part_costs, default=0.0) if parallel > 1 else part_cost) + steps_cost
-    group = max((workload[k].collective.group_size for k in workload.keys), default=1)
     return CostSummary(
         partition_settings=settings, partition_cost_s=part_cost, steps_measured=steps,
         steps_fitted=bound - steps, steps_cost_s=steps_cost, transients=0,
-        group_gpus=group, gpus_per_node=job.gpus_per_node, parallel_groups=parallel,
+        group_gpus=group_gpus(workload), gpus_per_node=job.gpus_per_node, parallel_groups=parallel,
         wall_s=wall, protocol=protocol, estimate=True, partitions=len(keys),
         clock_changes=changes + step_changes, steps_upper_bound=bound)
 
@@ -164,9 +163,7 @@ def _throttled_top(needs: Sequence[Need], anchors: Sequence[int], planned: Seque
     """The clocks `measure_steps` measures beyond ``planned`` because an anchor is held
     below its clock: every clock above the highest anchor that is not (predicted)."""
     at = {n.knobs.freq_mhz: n for n in needs}
-    throttled = {f for f in anchors
-                 if measure_need(predictor, at[f]).effective_freq_mhz
-                 < f * (1 - THROTTLED_BELOW)}
+    throttled = {f for f in anchors if held_down(measure_need(predictor, at[f]), f)}
     if not throttled:
         return []
     top_free = max((f for f in anchors if f not in throttled), default=min(at))

@@ -154,16 +154,17 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy
     return report
 
 
-def _throttled(m: Measurement, freq_mhz: int) -> bool:
+def held_down(m: Measurement, freq_mhz: int) -> bool:
+    """The power limiter held the measurement below its set clock."""
     return m.effective_freq_mhz < freq_mhz * (1 - THROTTLED_BELOW)
 
 
 def _throttled_range(series: dict[int, Need], measured: dict[Need, Measurement]
                      ) -> list[Need]:
     known = {f: measured[n] for f, n in series.items() if n in measured}
-    if not any(_throttled(m, f) for f, m in known.items()):
+    if not any(held_down(m, f) for f, m in known.items()):
         return []
-    free = [f for f, m in known.items() if not _throttled(m, f)]
+    free = [f for f, m in known.items() if not held_down(m, f)]
     top_free = max(free, default=min(series))
     return [n for f, n in series.items() if f > top_free and n not in measured]
 
@@ -172,9 +173,9 @@ def _fit_points(series: dict[int, Need], measured: dict[Need, Measurement],
                 skip: int | None = None) -> list[tuple[int, Measurement]]:
     """The measured, unthrottled clocks below every throttled one (the fit's range)."""
     known = {f: measured[n] for f, n in series.items() if n in measured and f != skip}
-    ceiling = min((f for f, m in known.items() if _throttled(m, f)), default=None)
+    ceiling = min((f for f, m in known.items() if held_down(m, f)), default=None)
     return sorted((f, m) for f, m in known.items()
-                  if not _throttled(m, f) and (ceiling is None or f < ceiling))
+                  if not held_down(m, f) and (ceiling is None or f < ceiling))
 
 
 def _check_clock(series: dict[int, Need], measured: dict[Need, Measurement]) -> int | None:
