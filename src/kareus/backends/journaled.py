@@ -141,10 +141,7 @@ class JournaledBackend(WrappedBackend):
         if self.record:
             self.journal.record_fitted(self.job_id, self._identity, kind, key, need.knobs, m,
                                        time_rel_error, energy_rel_error, measured_freqs_mhz)
-        if need.partition is not None:
-            self._partitions[(need.partition, need.knobs)] = m
-        else:
-            self._ops[(key, need.knobs.freq_mhz, need.knobs.sms)] = m
+        self._remember(need, m)
         self._fitted[fit_key] = (time_rel_error, energy_rel_error)
 
     def samples(self, key: str) -> list[tuple[Knobs, Measurement]]:
@@ -163,16 +160,22 @@ class JournaledBackend(WrappedBackend):
 
     def _store(self, need: Need, m: Measurement) -> None:
         k = need.knobs
-        if need.partition is not None:
-            if self.record:
-                self.journal.record(self.job_id, need.partition, self._identity, k, m)
-            self._partitions[(need.partition, k)] = m
-            return
-        assert need.ops_key is not None
-        if self.record:
+        if self.record and need.partition is not None:
+            self.journal.record(self.job_id, need.partition, self._identity, k, m)
+        elif self.record:
+            assert need.ops_key is not None
             self.journal.record_ops(self.job_id, need.ops_key, self._identity, k.freq_mhz,
                                     k.sms, m)
-        self._ops[(need.ops_key, k.freq_mhz, k.sms)] = m
+        self._remember(need, m)
+
+    def _remember(self, need: Need, m: Measurement) -> None:
+        """``m`` answers ``need`` from now on (where `_lookup` finds it)."""
+        k = need.knobs
+        if need.partition is not None:
+            self._partitions[(need.partition, k)] = m
+        else:
+            assert need.ops_key is not None
+            self._ops[(need.ops_key, k.freq_mhz, k.sms)] = m
 
     def _count(self, a: Answer) -> Answer:
         self.counts[a.origin] += 1

@@ -148,19 +148,18 @@ class OptimizeRun:
         self.timings["plans"] = time.perf_counter() - t0 - simulated["validate"]
         metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v]
                                   for m, v in plans.items()})
-        limited = None
+        runs = None
         if simulator is not None and "megatron" in plans:
             t0 = time.perf_counter()
             runs = power_limited_megatron(self.workload, self.backend)
-            limited = [r.to_dict() for r in runs] if runs is not None else None
             self.timings["power_limited"] = time.perf_counter() - t0
-        else:
-            runs = None
         result = OptimizeResult(self.workload.job, plans, searches, metrics, worst,
                                 self.timings, sources=sources,
                                 left_out=left_out_reasons(self.left_out, self.workload.job),
                                 validation_per_method=None if simulator is None else per_method,
-                                power_limited=limited, iso_power=iso_power(plans, runs))
+                                power_limited=None if runs is None else [
+                                    r.to_dict() for r in runs],
+                                iso_power=iso_power(plans, runs))
         result.run_id = result.content_id()
         rd.write(result)
         return result
