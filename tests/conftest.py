@@ -30,3 +30,14 @@ def run_cli(*args: str) -> CliResult:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def small_result(tmp_path_factory):
+    """One fast `kareus optimize` result (kareus-1 at two clocks, 4 microbatches, budget
+    20), for tests that only read it; a space in its path."""
+    out = tmp_path_factory.mktemp("small-result") / "a result"
+    r = run_cli("optimize", "-p", "kareus-1", "--freqs", "1410,1200", "--microbatches", "4",
+                "--budget", "20", "--workers", "1", "--out", str(out))
+    assert r.code == 0, r.err
+    return out

@@ -202,13 +202,8 @@ def test_a_short_window_sees_the_instantaneous_peak(tl):
 # A real result and `kareus plan` with a power cap ----------------------------------------
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("power") / "a result"
-    r = run_cli("optimize", "-p", "kareus-1", "--freqs", "1410,1200", "--microbatches", "4",
-                "--budget", "20", "--workers", "1", "--out", str(out))
-    assert r.code == 0, r.err
-    doc = json.loads((out / "result.json").read_text())
-    return out, doc
+def result(small_result):
+    return small_result, json.loads((small_result / "result.json").read_text())
 
 
 @pytest.fixture(scope="module")

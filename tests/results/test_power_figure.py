@@ -14,19 +14,14 @@ from kareus.plans.plan import PlanPower, TimelineEntry
 from kareus.plans.power import trace_of
 from kareus.results.power_figure import power_figure, rank_traces
 from kareus.results.resultdir import ResultDir
-from tests.conftest import run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory):
+def plans(small_result):
     """The fastest and the least-energy kareus plan of one fast optimize."""
-    out = tmp_path_factory.mktemp("power-figure") / "a result"
-    r = run_cli("optimize", "-p", "kareus-1", "--freqs", "1410,1200", "--microbatches", "4",
-                "--budget", "20", "--workers", "1", "--out", str(out))
-    assert r.code == 0, r.err
-    rd = ResultDir(out)
+    rd = ResultDir(small_result)
     front = sorted(rd.frontier("kareus"), key=lambda p: p["time_s"])
     return [rd.read_plan(front[0]["plan"])[0], rd.read_plan(front[-1]["plan"])[0]]
 
