@@ -2,37 +2,46 @@
 what the cheaper profile does to the frontiers composed from it.
 
 For each job and seed, on the emulator with measurement noise (default 3%):
-- "before": `kareus profile` measuring every step outside partitions at every clock
-  (`--every-clock`), costed with the protocol as it was: window + cooldown per
-  measurement plus a settle per clock change;
-- "after": the default profile (steps at a few clocks, the rest fitted;
-  kareus.workflows.step_fit), costed with the settle inside the cooldown
-  (kareus.backends.nvml), and its dry-run estimate against the cost the run recorded;
+- "before": the profile as it was before issue 25: no prior, budget 100, every step
+  outside partitions at every clock (`--prior none --budget 100 --every-clock`), costed
+  with the protocol as it was: window + cooldown per measurement plus a settle per clock
+  change;
+- "after": the default profile: the searches informed by the nominal emulator
+  (`SearchConfig.informed`: budget 40, batches of 5), the steps measured at three clocks
+  and fitted through the same prior where it holds (kareus.workflows.prior_fit, else
+  step_fit's own shape), costed with the settle inside the cooldown
+  (kareus.backends.nvml); and its dry-run estimate against the cost the run recorded;
 - per method, the frontier `kareus optimize --measurements` composes from each journal:
   the "after" frontier's energy over the "before" one's at equal time, over their common
   time range (the largest deviation either way); once as composed (each from its own
   noisy numbers: a frontier composed from noisy per-clock numbers looks cheaper than it
   is where the solver picks the clocks the noise made look cheap, and fitted curves
-  smooth that away) and once with the same plans run by the noise-free emulator as whole
-  iterations, which is what a plan really costs; beside them, as a reference, the full
-  profile of one seed against the full profile of the next, both run: how far the noise
-  alone moves a frontier.
+  smooth that away) and once with the same plans run by the noise-free emulator (of the
+  measured GPU) as whole iterations, which is what a plan really costs; beside them, as a
+  reference, the full profile of one seed against the full profile of the next, both
+  run: how far the noise alone moves a frontier.
+
+``--gpu other`` measures a GPU the prior does not describe: the emulator with four
+mechanisms changed in kind (`other_gpu_calibration`), while the prior stays the nominal
+emulator. With ``--gpu nominal`` the prior is the measured GPU's own model up to the
+noise, which flatters it; the "other" figures are the ones to judge the prior by.
 
 Node-hours are GPU time over the job's GPUs per node. Medians over the seeds. The
-searches are the same in both profiles (the emulator's noise depends on the seed and
-what is measured), so the frontiers differ by the steps alone. The emulator measures
-nothing in real seconds: the costs are the protocol's, counted, not timed.
+emulator measures nothing in real seconds: the costs are the protocol's, counted, not
+timed.
 
     python benchmarks/profiling_cost.py [--seeds 3] [--jobs kareus-1,kareus-2,...]
-        [--noise 0.03] [--budget 100]
+        [--noise 0.03] [--gpu nominal|other] [--workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -88,7 +97,19 @@ def _simulated(res, simulator, per_method: int) -> dict[str, list[tuple[float, f
     return out
 
 
-def one(preset: str, seed: int, noise: float, budget: int) -> dict:
+def other_gpu_calibration(job, path: str) -> str:
+    """A calibration file for a GPU the emulator does not describe: the emulator with four
+    mechanisms changed in kind (benchmarks/search_efficiency.py's `other_gpu_params`: a
+    memoryless power limiter, no interference beyond SM loss, cuBLAS tiles planned for the
+    whole GPU, a soft collective-versus-CTA curve). The prior stays the nominal emulator."""
+    with open(path, "w") as f:
+        json.dump({"gpu": job.gpu_spec.name, "emulator_params": {
+            "limiter_tau_s": 0.0, "interference_coefficient": 0.0,
+            "gemm_tile_plan_sms": job.gpu_spec.sm_count, "coll_smoothness": 2.0}}, f)
+    return path
+
+
+def one(preset: str, seed: int, noise: float, gpu: str) -> dict:
     from kareus.backends.emulator.spec import EmulatorSpec
     from kareus.job.sources import build_job
     from kareus.search.loop import SearchConfig
@@ -100,17 +121,22 @@ def one(preset: str, seed: int, noise: float, budget: int) -> dict:
     from kareus.workload.workload import Workload
 
     wl = Workload.build(build_job(preset))
-    spec = EmulatorSpec(seed=seed, noise=noise)
-    config = SearchConfig(budget=budget, seed=seed)
     out: dict = {}
-    simulator = EmulatorSpec().plan_simulator(wl)  # noise-free: the plans' true cost
-    assert simulator is not None
     with tempfile.TemporaryDirectory() as d:
+        cal = other_gpu_calibration(wl.job, f"{d}/gpu.json") if gpu == "other" else None
+        spec = EmulatorSpec(seed=seed, noise=noise, calibration=cal)
+        # noise-free: the plans' true cost on the measured GPU
+        simulator = EmulatorSpec(calibration=cal).plan_simulator(wl)
         fronts, true = {}, {}
-        for name, policy in (("before", FitPolicy(enabled=False)), ("after", FitPolicy())):
+        # before issue 25: no prior, budget 100, every step at every clock; after: the
+        # defaults (the emulator prior, SearchConfig.informed, steps fitted through it)
+        for name, policy, prior, config in (
+                ("before", FitPolicy(enabled=False), None, SearchConfig(seed=seed)),
+                ("after", FitPolicy(), "emulator", SearchConfig.informed(seed))):
             journal = f"{d}/{name}.sqlite"
-            est = estimate_profile(wl, journal, spec, config, wl.keys, True, policy)
-            r = profile(wl, journal, spec, config, policy=policy)
+            est = estimate_profile(wl, journal, spec, config, wl.keys, True, policy,
+                                   prior=prior)
+            r = profile(wl, journal, spec, config, policy=policy, prior=prior)
             assert r.cost is not None and r.steps is not None
             cost = r.cost.to_dict()
             out[name] = {"measurements": cost["measurements"],
@@ -142,15 +168,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--jobs", default=",".join(JOBS))
     ap.add_argument("--noise", type=float, default=0.03)
-    ap.add_argument("--budget", type=int, default=100)
+    ap.add_argument("--gpu", default="nominal", choices=("nominal", "other"),
+                    help="the GPU measured: the nominal emulator (the prior's own model), or "
+                         "another GPU the prior does not describe")
+    ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     med = statistics.median
     for preset in args.jobs.split(","):
-        runs = [one(preset, s, args.noise, args.budget) for s in range(args.seeds)]
+        with ProcessPoolExecutor(args.workers) as pool:
+            runs = list(pool.map(one, [preset] * args.seeds, range(args.seeds),
+                                 [args.noise] * args.seeds, [args.gpu] * args.seeds))
         b = [r["before"] for r in runs]
         a = [r["after"] for r in runs]
-        print(f"{preset} (medians of {args.seeds} seeds, noise {args.noise:.0%}, budget "
-              f"{args.budget})")
+        print(f"{preset} (medians of {args.seeds} seeds, noise {args.noise:.0%}, {args.gpu} "
+              f"GPU)")
         print(f"  before: {med(x['measurements'] for x in b):.0f} measurements "
               f"({med(x['partition_settings'] for x in b):.0f} partition settings, "
               f"{med(x['steps_measured'] for x in b):.0f} steps), "

@@ -187,3 +187,32 @@ def test_optimize_from_a_fitted_profile_says_how_many_numbers_were_fitted(
     report = (out / "report.md").read_text()
     assert any(str(fitted["count"]) in line and "fitted" in line
                for line in report.splitlines()), report
+
+
+# The prior ------------------------------------------------------------------------------------
+
+def test_without_the_prior_the_search_spends_100_settings_and_the_steps_six_clocks(tmp_path):
+    """The default profile searches with the emulator prior (`SearchConfig.informed`:
+    budget 40, batches of 5) and fits the steps through it (three clocks a step);
+    ``--prior none`` is the search and the fits of before: budget 100, six clocks."""
+    base = ("profile", *ARGS, "--backend", "emulator", "--journal", str(tmp_path / "j"),
+            "--dry-run", "--json")
+    informed = run_cli(*base)
+    plain = run_cli(*base, "--prior", "none")
+    assert informed.code == 0 and plain.code == 0, informed.err + plain.err
+    a, b = informed.json(), plain.json()
+    assert a["partition_settings"] == 4 * 40 and b["partition_settings"] == 4 * 100
+    assert a["steps_upper_bound"] == b["steps_upper_bound"]  # the same steps are needed
+    assert a["steps_measured"] < 0.65 * b["steps_measured"]
+    given_budget = run_cli(*base, "--budget", "30", "--batch-size", "10")
+    assert given_budget.json()["partition_settings"] == 4 * 30
+
+
+@pytest.mark.parametrize("prior", ["gpu", "nvml", ""])
+def test_an_unknown_prior_is_one_line_and_creates_nothing(tmp_path, prior):
+    path = tmp_path / "j.sqlite"
+    r = run_cli(*PROFILE, "--journal", str(path), "--prior", prior)
+    assert r.code == 2
+    assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert "prior" in r.err
+    assert not path.exists()

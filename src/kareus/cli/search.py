@@ -1,12 +1,13 @@
 """Commands that search or profile partitions and read journals: search, profile, journal."""
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.registry import BackendSpec
+from kareus.backends.registry import BackendSpec, check_prior
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
@@ -134,10 +135,18 @@ def profile(
                          ] = None,
     strategy: Annotated[str, typer.Option(
         "--strategy", help="mbo (default) or exhaustive: every setting.")] = "mbo",
-    budget: Annotated[int, typer.Option(
-        "--budget", help="Settings per partition (mbo).")] = 100,
+    budget: Annotated[Optional[int], typer.Option(
+        "--budget", help="Settings per partition (mbo; default 50 with a prior, 100 "
+                         "without).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", help="Settings per batch (default 5 with a prior, 10 without).")
+                          ] = None,
     tolerance: Annotated[float, typer.Option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
+    prior: Annotated[str, typer.Option(
+        "--prior", help="emulator (default): the nominal emulator's predictions for the "
+                        "job's GPU inform the searches and the steps' fits, or none "
+                        "(docs/gpu.md).")] = "emulator",
     partitions_only: Annotated[bool, typer.Option(
         "--partitions-only", help="Skip the steps outside partitions (fixed steps, "
                                   "baselines, transfers, data-parallel sync).",
@@ -173,14 +182,17 @@ def profile(
     """
     workload = Workload.build(job)
     # the protocol (--window, --cooldown, --settle) is the backend's
-    config = SearchConfig(strategy=strategy, budget=budget, seed=backend.seed,
-                          tolerance=tolerance)
+    check_prior(prior)
+    base = SearchConfig.informed() if prior != "none" else SearchConfig()
+    config = replace(base, strategy=strategy, seed=backend.seed, tolerance=tolerance,
+                     budget=base.budget if budget is None else budget,
+                     batch_size=base.batch_size if batch_size is None else batch_size)
     if max_hours is not None and not max_hours > 0:
         raise SpecError(f"--max-hours must be positive, got {max_hours}")
     run = prepare_profile(workload, journal, backend, config, partition,
                           composition=not partitions_only, executor=executor,
                           retries=ray_retries, policy=FitPolicy(enabled=not every_clock),
-                          dry_run=dry_run)
+                          dry_run=dry_run, prior=None if prior == "none" else prior)
     if run.quiet:  # under torchrun: only rank 0 reports
         run.run()
         return

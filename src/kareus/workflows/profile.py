@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kareus.backends.agreed import AgreedBackend
-from kareus.backends.base import Backend
+from kareus.backends.base import Backend, CostModel
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need
-from kareus.backends.registry import BackendSpec
+from kareus.backends.registry import BackendSpec, open_prior
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, KeyFrontiers, key_frontiers
 from kareus.core import Measurement, MeasurementProtocol
@@ -91,30 +91,35 @@ def torchrun_rank() -> int:
 
 
 def check_profile(workload: Workload, backend: BackendSpec, config: SearchConfig,
-                  keys: Sequence[str] | None = None, here: bool = True) -> list[str]:
+                  keys: Sequence[str] | None = None, here: bool = True,
+                  with_prior: bool = False) -> list[str]:
     """Unknown keys and bad settings fail before any work starts; the keys to profile."""
     chosen = list(keys or workload.keys)
     backend.check(workload.job, here)
     for k in chosen:
-        config.check(workload[k].knob_space_size(len(workload.job.freqs_mhz)), False)
+        config.check(workload[k].knob_space_size(len(workload.job.freqs_mhz)), with_prior)
     return chosen
 
 
 def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
             config: SearchConfig | None = None, keys: Sequence[str] | None = None,
             progress: ProfileProgress | None = None, composition: bool = True,
-            checked: bool = False, policy: FitPolicy | None = None) -> ProfileResult:
+            checked: bool = False, policy: FitPolicy | None = None,
+            prior: str | None = None) -> ProfileResult:
     """Profile the partitions ``keys`` (default: all) and, with ``composition``, every
     number composing the job's iteration needs. ``checked``: the caller checked the
     inputs already (`check_profile`). ``policy``: how the steps outside partitions are
-    measured (default: a few clocks each, the others fitted)."""
+    measured (default: a few clocks each, the others fitted). ``prior``: a cost model's
+    kind ("emulator") whose predictions inform the searches and the steps' fits
+    (default: none; `SearchConfig.informed` is the search to run with it)."""
     from kareus.gpu.distributed import torchrun_group  # torch only where a group runs
 
-    cfg = config or SearchConfig()
     workload = job if isinstance(job, Workload) else Workload.build(job)
     job = workload.job
-    chosen = list(keys or workload.keys) if checked else check_profile(workload, backend,
-                                                                         cfg, keys)
+    model = open_prior(prior, job)
+    cfg = config or (SearchConfig.informed() if model is not None else SearchConfig())
+    chosen = list(keys or workload.keys) if checked else check_profile(
+        workload, backend, cfg, keys, with_prior=model is not None)
     parts = [workload[k] for k in chosen]
     with torchrun_group() as group:
         several = group.world_size > 1
@@ -134,12 +139,14 @@ def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
             searches = []
             for p in parts:
                 report = (lambda d, n, k=p.key: progress(k, d, n)) if progress else None
-                searches.append(run_search(p, measured, job.freqs_mhz, cfg, progress=report,
+                searches.append(run_search(p, measured, job.freqs_mhz, cfg, model,
+                                           progress=report,
                                            agree=group.agree if several else None))
             result = ProfileResult(searches, identity=measured.identity())
             if composition:
                 result.steps = measure_composition(workload, measured, (
-                    lambda d, n: progress(COMPOSITION, d, n)) if progress else None, policy)
+                    lambda d, n: progress(COMPOSITION, d, n)) if progress else None, policy,
+                    model)
             cost = result.summarise(workload, measured.protocol)
             if group.rank == 0:
                 store.record_profile_run(measured.job_id, measured.identity(), cost.to_dict())
@@ -153,10 +160,12 @@ def journal_frontiers(workload: Workload, backend: JournaledBackend) -> KeyFront
 
 def measure_composition(workload: Workload, backend: JournaledBackend,
                         report: Callable[[int, int], None] | None = None,
-                        policy: FitPolicy | None = None) -> StepsOutcome:
+                        policy: FitPolicy | None = None, prior: CostModel | None = None
+                        ) -> StepsOutcome:
     """Measure what composing every method needs and the journal lacks, journaling each
     number: the steps outside partitions as ``policy`` says (default: a few clocks per
-    step measured, the others fitted; kareus.workflows.step_fit), one clock at a time
+    step measured, the others fitted; kareus.workflows.step_fit; through ``prior``'s
+    shapes where it is given), one clock at a time
     from the highest; then the wait transients its plans charge. ``report(done, total)``
     after each step."""
     policy = policy or FitPolicy()
@@ -182,7 +191,7 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
                 report(done, len(todo))
         return out
 
-    fit = measure_steps(todo, measure, policy)
+    fit = measure_steps(todo, measure, policy, prior)
     for need, (m, info) in fit.fitted.items():
         backend.store_fitted(need, m, info.time_rel_error, info.energy_rel_error,
                              info.measured_freqs_mhz)

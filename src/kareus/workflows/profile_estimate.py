@@ -33,6 +33,7 @@ from kareus.core import MeasurementProtocol
 from kareus.search.loop import SearchConfig
 from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec
+from kareus.workflows.prior_fit import informed_range
 from kareus.workflows.profile import _runnable
 from kareus.workflows.profile_cost import CostSummary, expected_clock_changes, group_gpus
 from kareus.workflows.step_fit import (
@@ -47,9 +48,11 @@ from kareus.workload.workload import Workload
 
 def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
                      config: SearchConfig, keys: Sequence[str], composition: bool = True,
-                     policy: FitPolicy | None = None, executor: ExecutorSpec | None = None
-                     ) -> CostSummary:
-    """The cost of ``kareus profile`` with these inputs (checked by the caller)."""
+                     policy: FitPolicy | None = None, executor: ExecutorSpec | None = None,
+                     prior: str | None = None) -> CostSummary:
+    """The cost of ``kareus profile`` with these inputs (checked by the caller).
+    ``prior``: the profile's (its searches' initial design is smaller, its steps are
+    fitted through it)."""
     policy = policy or FitPolicy()
     job = workload.job
     protocol = backend.protocol or MeasurementProtocol()
@@ -62,14 +65,15 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
             held = len(measured.samples(k)) if measured is not None else 0
             n = max(0, (space if config.strategy == "exhaustive"
                         else min(config.budget, space)) - held)
-            settles = _search_settles(n, nf, config)
+            settles = _search_settles(n, nf, config, prior is not None)
             cost = _protocol_s(protocol, n, settles)
             changes += settles
             settings += n
             part_cost += cost
             part_costs.append(cost)
         steps, bound, steps_cost, step_changes = (
-            _steps(workload, measured, policy, protocol) if composition else (0, 0, 0.0, 0))
+            _steps(workload, measured, policy, protocol, prior is not None) if composition
+            else (0, 0, 0.0, 0))
     parallel = len(keys) if executor is not None and executor.distributed and keys else 1
     wall = (max(part_costs, default=0.0) if parallel > 1 else part_cost) + steps_cost
     return CostSummary(
@@ -99,12 +103,12 @@ def _journaled(workload: Workload, journal: str, backend: BackendSpec, stack: Ex
     return JournaledBackend(inner, store, store.register_job(workload.job), record=False)
 
 
-def _search_settles(n: int, clocks: int, config: SearchConfig) -> float:
+def _search_settles(n: int, clocks: int, config: SearchConfig, with_prior: bool) -> float:
     """Expected clock changes of a search measuring ``n`` settings: its initial design,
     then batches, each measured one clock at a time."""
     if config.strategy == "exhaustive":
         return float(min(n, clocks))
-    first = min(n, config.initial_size(with_prior=False))
+    first = min(n, config.initial_size(with_prior))
     total = expected_clock_changes(first, clocks)
     left = n - first
     while left > 0:
@@ -115,18 +119,19 @@ def _search_settles(n: int, clocks: int, config: SearchConfig) -> float:
 
 
 def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPolicy,
-           protocol: MeasurementProtocol) -> tuple[int, int, float, int]:
+           protocol: MeasurementProtocol, informed: bool) -> tuple[int, int, float, int]:
     """(measured, measured at most, protocol seconds, clock changes) of the steps outside
     partitions. Which steps the power limiter holds below their clock (measured at the
-    top clocks rather than fitted) is the noise-free emulator's prediction."""
+    top clocks rather than fitted) is the noise-free emulator's prediction. ``informed``:
+    the steps are fitted through the emulator prior (kareus.workflows.prior_fit)."""
     with spec_from_options("emulator", {}).open(workload) as emulator:
         # nothing journaled: the needs' structure alone, which any backend enumerates
         backend = measured or JournaledBackend.in_memory(emulator, workload.job)
-        return _count_steps(workload, backend, policy, protocol, emulator)
+        return _count_steps(workload, backend, policy, protocol, emulator, informed)
 
 
 def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolicy,
-                 protocol: MeasurementProtocol, predictor: Backend
+                 protocol: MeasurementProtocol, predictor: Backend, informed: bool
                  ) -> tuple[int, int, float, int]:
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
     fronts = key_frontiers({k: backend.samples(k) for k in workload.keys})
@@ -137,25 +142,38 @@ def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolic
         series.setdefault(series_key(n), []).append(n)
     clocks_of = {k: sorted({n.knobs.freq_mhz for n in v}, reverse=True)
                  for k, v in series.items()}
-    planned = {k: planned_clocks(c, policy) for k, c in clocks_of.items()}
-    for k, clocks in planned.items():
-        if len(clocks) < len(clocks_of[k]):
-            planned[k] = clocks + _throttled_top(series[k], plan_anchors(
-                clocks_of[k], policy.anchors), clocks, predictor)
-    measured = sum(len(c) for c in planned.values())
-    # measured phase by phase (kareus.workflows.step_fit), each one clock at a time: the
-    # anchors with the steps measured at every clock, then the held-out clocks
-    first: set[int] = set()
-    checks: set[int] = set()
-    for k, clocks in planned.items():
-        if len(clocks) == len(series[k]):
-            first.update(clocks)
-            continue
-        anchors = plan_anchors(clocks_of[k], policy.anchors)
-        first.update(anchors)
-        checks.update(set(clocks) - set(anchors))  # with the throttled top, if any
+    first: set[int] = set()  # clocks of the first phase: anchors and steps measured whole
+    checks: set[int] = set()  # of the second: held-out clocks and throttled tops
+    measured = 0
+    for k, clocks in clocks_of.items():
+        plan, anchors = _planned(series[k], clocks, policy, predictor, informed)
+        measured += len(plan)
+        first.update(anchors if len(plan) < len(clocks) else plan)
+        if len(plan) < len(clocks):
+            checks.update(set(plan) - set(anchors))
+    # measured phase by phase (kareus.workflows.step_fit), each one clock at a time
     changes = len(first) + len(checks)
     return measured, len(todo), _protocol_s(protocol, measured, changes), changes
+
+
+def _planned(needs: Sequence[Need], clocks: list[int], policy: FitPolicy,
+             predictor: Backend, informed: bool) -> tuple[list[int], list[int]]:
+    """The clocks a series is measured at where every fit passes, and its anchors.
+    Through the prior: the ends of the clocks it predicts free of the power limiter and a
+    held-out clock, with every clock above them (the limiter measured, not fitted)."""
+    if informed and policy.enabled:
+        at = {n.knobs.freq_mhz: n for n in needs}
+        free = informed_range(at, {f: measure_need(predictor, n) for f, n in at.items()},
+                              held_down)
+        if len(free) >= policy.min_clocks:
+            plan = planned_clocks(free, policy, informed=True)
+            top = [f for f in clocks if f not in free]
+            return top + plan, top + plan_anchors(free, policy.informed_anchors)
+    plan = planned_clocks(clocks, policy)
+    anchors = plan_anchors(clocks, policy.anchors)
+    if len(plan) < len(clocks):
+        plan = plan + _throttled_top(needs, anchors, plan, predictor)
+    return plan, anchors
 
 
 def _throttled_top(needs: Sequence[Need], anchors: Sequence[int], planned: Sequence[int],

@@ -26,7 +26,7 @@ from typing import Any
 
 from kareus.backends.agreed import AgreedBackend
 from kareus.backends.journaled import JournaledBackend
-from kareus.backends.registry import BackendSpec
+from kareus.backends.registry import BackendSpec, check_prior, open_prior
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
@@ -134,6 +134,8 @@ class RankTask:
     die_after: int | None = None
     policy: FitPolicy = field(default_factory=FitPolicy)
     """How the steps outside partitions are measured (the `COMPOSITION` unit)."""
+    prior: str | None = None
+    """The kind of cost model informing the search and the steps' fits (opened here)."""
 
 
 class RankActor:
@@ -155,6 +157,7 @@ class RankActor:
             record = task.rank == 0
             journal.sink = task.sink if record else None
             report = journal.progress(task.key) if record else None
+            model = open_prior(task.prior, workload.job)
             with spec.open(workload, group.collectives, group.agree) as raw:
                 be = JournaledBackend(AgreedBackend(raw, _agree(group, task.die_after)),
                                       journal, journal.jid, record=record)
@@ -162,10 +165,10 @@ class RankActor:
                 # kareus.workflows.profile: the nvml backend refuses while the GPU runs
                 # another
                 if task.key == COMPOSITION:
-                    outcome = measure_composition(workload, be, report, task.policy)
+                    outcome = measure_composition(workload, be, report, task.policy, model)
                     return {**outcome.to_dict(), "backend": be.identity()} if record else None
                 result = run_search(workload[task.key], be, workload.job.freqs_mhz,
-                                    task.config, progress=report, agree=group.agree)
+                                    task.config, model, progress=report, agree=group.agree)
                 return result.to_dict() if record else None
 
 
@@ -215,12 +218,14 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                 progress: ProfileProgress | None = None, composition: bool = True,
                 executor: ExecutorSpec | None = None, retries: int = 2,
                 placement_timeout_s: float = 600.0, checked: bool = False,
-                policy: FitPolicy | None = None) -> ProfileResult:
+                policy: FitPolicy | None = None, prior: str | None = None) -> ProfileResult:
     """`kareus.workflows.profile.profile` with each partition's TP/CP group a unit of work on
     the Ray cluster at ``executor.ray_address`` (default: a local Ray), units in parallel;
     the journal is written here only. A unit whose node dies is retried up to ``retries``
-    times, reusing what it journaled before. ``checked``: the caller checked the inputs."""
-    cfg = config or SearchConfig()
+    times, reusing what it journaled before. ``checked``: the caller checked the inputs.
+    ``prior``: as `kareus.workflows.profile.profile`'s, opened on each rank."""
+    check_prior(prior)
+    cfg = config or (SearchConfig.informed() if prior is not None else SearchConfig())
     workload = job if isinstance(job, Workload) else Workload.build(job)
     ex = executor or ExecutorSpec("ray")
     if checked:
@@ -229,14 +234,15 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
         if retries < 0:
             raise SpecError(f"--ray-retries must be >= 0, got {retries}")
         # the driver need not have a GPU: a real GPU is checked where it opens, on a rank
-        keys = check_profile(workload, backend, cfg, keys, here=False)
+        keys = check_profile(workload, backend, cfg, keys, here=False,
+                             with_prior=prior is not None)
         ex.check()
     one = not backend.capabilities.process_per_gpu  # one rank a unit
     size_of = {k: 1 if one else workload[k].collective.group_size for k in workload.keys}
     with ray_session(ex.ray_address) as ray, Journal(journal) as store:
         driver = _Driver(ray, store, workload, backend, cfg, progress, retries,
                          placement_timeout_s)
-        driver.policy = policy or FitPolicy()
+        driver.policy, driver.prior = policy or FitPolicy(), prior
         try:
             docs = driver.run_all([_Unit(k, size_of[k]) for k in keys])
             result = ProfileResult([SearchResult.from_dict(docs[k]) for k in keys])
@@ -279,6 +285,7 @@ class _Driver:
 
         self.ray, self.store, self.backend, self.config = ray, store, backend, config
         self.policy = FitPolicy()
+        self.prior: str | None = None
         self.job, self.jid = workload.to_job_dict(), store.register_job(workload.job)
         self.progress, self.retries, self.timeout_s = progress, retries, placement_timeout_s
         self.gpu = backend.capabilities.real_gpu
@@ -341,7 +348,7 @@ class _Driver:
         u.refs = [a.run.remote(address, snap, RankTask(
             self.job, u.key, r, u.size, self.backend, self.config, self.queue,
             int(hook[2]) if hook[:2] == [u.key, str(r)] and not u.attempt else None,
-            self.policy))
+            self.policy, self.prior))
             for r, a in enumerate(u.actors)]
 
     def _poll(self, u: _Unit) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kareus.backends.registry import BackendSpec
+from kareus.backends.registry import BackendSpec, check_prior
 from kareus.core.lock import Lock
 from kareus.errors import SpecError
 from kareus.search.loop import SearchConfig
@@ -43,6 +43,8 @@ class ProfileRun:
     retries: int
     policy: FitPolicy = field(default_factory=FitPolicy)
     """How the steps outside partitions are measured."""
+    prior: str | None = None
+    """The kind of cost model whose predictions inform the searches and the steps' fits."""
     lock: Lock | None = None
     """The journal's lock (`journal_lock`), taken by `prepare_profile` once every input
     was checked, released when `run` ends; None on a torchrun rank other than 0."""
@@ -55,7 +57,8 @@ class ProfileRun:
     def estimate(self) -> CostSummary:
         """What the run will measure and cost (`kareus profile --dry-run`)."""
         return estimate_profile(self.workload, self.journal, self.backend, self.config,
-                                self.keys, self.composition, self.policy, self.executor)
+                                self.keys, self.composition, self.policy, self.executor,
+                                self.prior)
 
     def run(self, progress: ProfileProgress | None = None) -> ProfileResult:
         """On the Ray cluster when the executor is Ray, else in this process (under
@@ -68,8 +71,8 @@ class ProfileRun:
         try:
             if self.executor is not None and self.executor.distributed:
                 return profile_ray(*args, executor=self.executor, retries=self.retries,
-                                   checked=True, policy=self.policy)
-            return profile(*args, checked=True, policy=self.policy)
+                                   checked=True, policy=self.policy, prior=self.prior)
+            return profile(*args, checked=True, policy=self.policy, prior=self.prior)
         finally:
             if held is not None:
                 held.release()
@@ -79,7 +82,7 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
                     config: SearchConfig, keys: Sequence[str] | None = None,
                     composition: bool = True, executor: ExecutorSpec | None = None,
                     retries: int = 2, policy: FitPolicy | None = None,
-                    dry_run: bool = False) -> ProfileRun:
+                    dry_run: bool = False, prior: str | None = None) -> ProfileRun:
     """`kareus profile`, checked before any work starts (and before any progress shows):
     the journal opens (or can be made: `check_journal`), the keys exist, the backend's and
     the search's settings hold (on Ray the GPU is checked where it opens, on a rank);
@@ -94,14 +97,16 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     distributed = executor is not None and executor.distributed
     if executor is not None:
         executor.check()
-    chosen = check_profile(workload, backend, config, keys, here=not distributed)
+    check_prior(prior)
+    chosen = check_profile(workload, backend, config, keys, here=not distributed,
+                           with_prior=prior is not None)
     if not chosen and not composition:
         raise SpecError(f"nothing to profile with --partitions-only: "
                         f"{workload.partitions.none_reason}")
     policy = policy or FitPolicy()
     policy.check()
     run = ProfileRun(workload, journal, backend, config, chosen, composition, executor,
-                     retries, policy)
+                     retries, policy, prior)
     if not run.quiet and not dry_run:  # last: a refusal creates nothing
         run.lock = journal_lock(journal)
     return run

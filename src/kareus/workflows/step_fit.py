@@ -38,8 +38,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kareus.backends.base import CostModel
 from kareus.backends.needs import Need
 from kareus.core import Measurement
+from kareus.workflows.prior_fit import (
+    Predict,
+    check_series,
+    fitted_values,
+    informed_range,
+    noise_allowance,
+    passes,
+    prior_predictor,
+)
 
 THROTTLED_BELOW = 1e-3
 """A measurement whose effective clock is this fraction below its set clock was held down
@@ -58,12 +68,16 @@ class FitPolicy:
     """Held-out relative error (time and dynamic energy) a fit may have."""
     min_clocks: int = 8
     """A step with fewer clocks than this is measured at each: fitting saves too little."""
+    informed_anchors: int = 2
+    """With a prior (kareus.workflows.prior_fit): clocks measured per step, the ends of its
+    range (one more is held out)."""
 
     def check(self) -> None:
         from kareus.errors import SpecError
 
-        if self.anchors < 3:
-            raise SpecError(f"step fits need at least 3 anchor clocks, got {self.anchors}")
+        if self.anchors < 3 or self.informed_anchors < 2:
+            raise SpecError(f"step fits need at least 3 anchor clocks (2 with a prior), got "
+                            f"{self.anchors} ({self.informed_anchors})")
         if not 0 < self.tolerance < 1:
             raise SpecError(f"the fit tolerance must be in (0, 1), got {self.tolerance}")
 
@@ -106,21 +120,26 @@ def plan_anchors(freqs_desc: Sequence[int], anchors: int) -> list[int]:
     return [freqs_desc[i] for i in idx]
 
 
-def planned_clocks(freqs_desc: Sequence[int], policy: FitPolicy) -> list[int]:
+def planned_clocks(freqs_desc: Sequence[int], policy: FitPolicy, informed: bool = False
+                   ) -> list[int]:
     """The clocks of a series that `measure_steps` measures where no clock is throttled
     and the fit passes its check: the anchors and the held-out clock (every clock where
-    the series is not fitted)."""
+    the series is not fitted). ``informed``: fitted through a prior (fewer anchors)."""
     if not policy.enabled or len(freqs_desc) < policy.min_clocks:
         return list(freqs_desc)
-    anchors = plan_anchors(freqs_desc, policy.anchors)
+    anchors = plan_anchors(freqs_desc, policy.informed_anchors if informed
+                           else policy.anchors)
     check = _farthest_free(anchors, [f for f in freqs_desc if f not in anchors])
     return anchors + ([check] if check is not None else [])
 
 
-def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy
-                  ) -> StepFitReport:
+def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy,
+                  prior: CostModel | Predict | None = None) -> StepFitReport:
     """Measure ``needs`` (none a wait transient) as ``policy`` says: each series at its
-    anchors, the throttled range and a held-out clock, the rest fitted; or all measured."""
+    anchors, the throttled range and a held-out clock, the rest fitted; or all measured.
+    With a ``prior``, each series is first fitted through it (two anchors and a held-out
+    clock, kareus.workflows.prior_fit); those that fail go on to their own shape. The
+    prior is a cost model, or a function giving each need's prediction."""
     series: dict[tuple, dict[int, Need]] = {}
     for n in needs:
         series.setdefault(series_key(n), {})[n.knobs.freq_mhz] = n
@@ -134,6 +153,10 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy
     fitting = {k: v for k, v in series.items()
                if policy.enabled and len(v) >= policy.min_clocks}
     take(n for k, v in series.items() if k not in fitting for n in v.values())
+    if prior is not None and fitting:
+        predict = prior if callable(prior) else prior_predictor(prior)
+        done = _fit_through_prior(fitting, report, take, policy, predict)
+        fitting = {k: v for k, v in fitting.items() if k not in done}
     take(v[f] for v in fitting.values() for f in plan_anchors(sorted(v, reverse=True),
                                                               policy.anchors))
     # the throttled top of a series: every clock above its highest unthrottled anchor
@@ -152,6 +175,64 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy
     report.failed_series = len(failed)
     take(n for k in failed for n in fitting[k].values())
     return report
+
+
+def _fit_through_prior(fitting: dict[tuple, dict[int, Need]], report: StepFitReport,
+                       take: Callable[[Iterable[Need]], None], policy: FitPolicy,
+                       predict: Predict) -> set[tuple]:
+    """Fit what the prior's shape allows (kareus.workflows.prior_fit); the series fitted.
+    Clocks the prior predicts held down by the power limiter are measured, and so are
+    those the limiter held down though the prior did not foresee it: from the top of the
+    range down, one clock a round, until one is not held down (throttling only grows
+    with the clock); the fit's range ends there."""
+    predicted = {k: {f: predict(n) for f, n in v.items()} for k, v in fitting.items()}
+    ranges = {k: informed_range(v, predicted[k], held_down) for k, v in fitting.items()}
+    usable = {k: r for k, r in ranges.items() if len(r) >= policy.min_clocks}
+    take(n for k in usable for f, n in fitting[k].items() if f not in usable[k])
+    m = report.measured
+    take(fitting[k][f] for k, r in usable.items() for f in (r[0], r[-1]))
+    while True:  # the range's top held down: measure the next clock below it
+        held = {k: r for k, r in usable.items() if held_down(m[fitting[k][r[0]]], r[0])}
+        for k, r in held.items():
+            usable[k] = r[1:]
+        usable = {k: r for k, r in usable.items() if len(r) >= policy.min_clocks}
+        if not held.keys() & usable.keys():
+            break
+        take(fitting[k][usable[k][0]] for k in held if k in usable)
+    anchors = {k: plan_anchors(r, policy.informed_anchors) for k, r in usable.items()}
+    take(fitting[k][f] for k, fs in anchors.items() for f in fs)
+    found = {k: _farthest_free(fs, [f for f in usable[k] if f not in fs])
+             for k, fs in anchors.items()}
+    checks = {k: f for k, f in found.items() if f is not None}
+    take(fitting[k][f] for k, f in checks.items())
+    points = {k: [(f, m[fitting[k][f]], predicted[k][f]) for f in usable[k]
+                  if fitting[k][f] in m and not held_down(m[fitting[k][f]], f)]
+              for k in checks}
+    checked = {k: check_series(p, checks[k]) for k, p in points.items()
+               if any(f == checks[k] for f, _m, _p in p)}
+    allowance = noise_allowance(checked.values(), policy.tolerance)
+    done = set()
+    for k, c in checked.items():
+        todo = {f: predicted[k][f] for f, n in fitting[k].items() if n not in m}
+        values = fitted_values(points[k], todo) if passes(c, allowance) else None
+        if values is None:
+            continue
+        static_w = float(np.median([mm.static_energy_j / mm.time_s for _f, mm, _p
+                                    in points[k]]))
+        info = FitInfo(c.time_error, c.energy_error, tuple(sorted(
+            (f for f, n in fitting[k].items() if n in m), reverse=True)))
+        for f, (t, e) in values.items():
+            report.fitted[fitting[k][f]] = (_fitted(f, t, e, static_w), info)
+        done.add(k)
+    return done
+
+
+def _fitted(freq_mhz: int, time_s: float, dynamic_j: float, static_w: float) -> Measurement:
+    """A fitted number, its static energy as the measurements count it (their static
+    power times the time)."""
+    static_j = static_w * time_s
+    return Measurement(time_s, static_j + dynamic_j, static_j, dynamic_j,
+                       (static_j + dynamic_j) / time_s, float(freq_mhz))
 
 
 def held_down(m: Measurement, freq_mhz: int) -> bool:
@@ -288,9 +369,7 @@ def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
         t, e = curves.predict(f)
         if t <= 0 or e < 0:
             return None
-        static_j = static_w * t
-        out[n] = (Measurement(t, static_j + e, static_j, e, (static_j + e) / t, float(f)),
-                  info)
+        out[n] = (_fitted(f, t, e, static_w), info)
     return out
 
 
