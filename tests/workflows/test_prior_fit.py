@@ -23,6 +23,7 @@ from tests.workflows.test_step_fit import (
     Recorder,
     _clock_lists,
     _series,
+    step_measurement,
 )
 
 
@@ -35,9 +36,8 @@ def _gpu(curve: Curve, time_ratio: Callable[[float], float],
     def answer(n: Need) -> Measurement:
         f = n.knobs.freq_mhz
         run = held(f) or float(f)
-        t = curve.time(run) * time_ratio(run)
-        e = curve.energy(run) * energy_ratio(run)
-        return Measurement(t, STATIC_W * t + e, STATIC_W * t, e, (STATIC_W * t + e) / t, run)
+        return step_measurement(run, curve.time(run) * time_ratio(run),
+                                curve.energy(run) * energy_ratio(run))
     return answer
 
 
@@ -129,14 +129,10 @@ def test_noisy_steps_are_fitted_and_a_bent_one_among_them_fails():
         f = n.knobs.freq_mhz
         m = CURVE.measurement(f)
         if n.ops_key == "bent#1":
-            jump = 1.4 if f < 900 else 1.0
-            t = m.time_s * jump
-            e = m.dynamic_energy_j
-        else:
-            a, b = rng.normal(1.0, 0.03, 2)
-            t, e = m.time_s * a, m.dynamic_energy_j * b
-        return Measurement(t, STATIC_W * t + e, STATIC_W * t, e, (STATIC_W * t + e) / t,
-                           float(f))
+            return step_measurement(f, m.time_s * (1.4 if f < 900 else 1.0),
+                                    m.dynamic_energy_j)
+        a, b = rng.normal(1.0, 0.03, 2)
+        return step_measurement(f, m.time_s * a, m.dynamic_energy_j * b)
 
     noisy = [n for i in range(12) for n in _series(CLOCKS, f"noisy{i}#1")]
     report = measure_steps([*noisy, *_series(CLOCKS, "bent#1")], Recorder(answer),

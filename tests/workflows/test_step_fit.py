@@ -52,6 +52,13 @@ class Curve:
 CURVE = Curve(a=2e-3, b=4e-3, c0=0.05, c1=0.12, c2=0.3)
 
 
+def step_measurement(freq_mhz: float, time_s: float, dynamic_j: float) -> Measurement:
+    """A step's measurement at ``freq_mhz``: its static energy at ``STATIC_W``."""
+    static = STATIC_W * time_s
+    return Measurement(time_s, static + dynamic_j, static, dynamic_j,
+                       (static + dynamic_j) / time_s, float(freq_mhz))
+
+
 class Recorder:
     """A fake ``measure``: answers each need from ``answer(need)`` and records every
     batch it was asked for, in order."""
@@ -360,14 +367,10 @@ def test_among_noisy_steps_a_kink_still_fails_and_the_noisy_ones_are_fitted():
     def answer(need: Need) -> Measurement:
         f = need.knobs.freq_mhz
         if need.ops_key == "kink#1":
-            t = kink(f)
-            return Measurement(t, STATIC_W * t + 0.1, STATIC_W * t, 0.1,
-                               (STATIC_W * t + 0.1) / t, float(f))
+            return step_measurement(f, kink(f), 0.1)
         m = CURVE.measurement(f)
         a, b = rng.normal(1.0, 0.03, 2)
-        t, e = m.time_s * a, m.dynamic_energy_j * b
-        return Measurement(t, STATIC_W * t + e, STATIC_W * t, e, (STATIC_W * t + e) / t,
-                           float(f))
+        return step_measurement(f, m.time_s * a, m.dynamic_energy_j * b)
 
     noisy = [n for i in range(4) for n in _series(CLOCKS, f"noisy{i}#1")]
     report = measure_steps([*noisy, *_series(CLOCKS, "kink#1")], Recorder(answer),

@@ -183,7 +183,7 @@ def profile(
     workload = Workload.build(job)
     # the protocol (--window, --cooldown, --settle) is the backend's
     check_prior(prior)
-    base = SearchConfig.informed() if prior != "none" else SearchConfig()
+    base = SearchConfig.profiling(prior != "none")
     config = replace(base, strategy=strategy, seed=backend.seed, tolerance=tolerance,
                      budget=base.budget if budget is None else budget,
                      batch_size=base.batch_size if batch_size is None else batch_size)

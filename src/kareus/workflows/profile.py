@@ -117,7 +117,7 @@ def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
     workload = job if isinstance(job, Workload) else Workload.build(job)
     job = workload.job
     model = open_prior(prior, job)
-    cfg = config or (SearchConfig.informed() if model is not None else SearchConfig())
+    cfg = config or SearchConfig.profiling(model is not None)
     chosen = list(keys or workload.keys) if checked else check_profile(
         workload, backend, cfg, keys, with_prior=model is not None)
     parts = [workload[k] for k in chosen]

@@ -7,8 +7,8 @@ Units run in parallel as resources allow. The journal stays on the driver: ranks
 snapshot (`ProxyJournal`) and send writes to a queue the driver drains and commits as it
 waits. A unit whose actor or node dies, or that is not placed in time, is retried from a
 fresh snapshot: it measures only what is not journaled yet. Then the steps outside
-partitions run as one more unit on the job's largest TP/CP group (collectives need the
-group; the driver need not have GPUs). Emulator and replay units have one rank each.
+partitions run as one more unit on the job's largest TP/CP group (collectives need the group;
+the driver need not have GPUs). Emulator and replay units have one rank each.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from kareus.backends.agreed import AgreedBackend
 from kareus.backends.journaled import JournaledBackend
@@ -134,8 +134,7 @@ class RankTask:
     die_after: int | None = None
     policy: FitPolicy = field(default_factory=FitPolicy)
     """How the steps outside partitions are measured (the `COMPOSITION` unit)."""
-    prior: str | None = None
-    """The kind of cost model informing the search and the steps' fits (opened here)."""
+    prior: str | None = None  # the cost model informing the search and the fits
 
 
 class RankActor:
@@ -162,8 +161,7 @@ class RankActor:
                 be = JournaledBackend(AgreedBackend(raw, _agree(group, task.die_after)),
                                       journal, journal.jid, record=record)
                 # without clock changes the job's one clock (the spec's check), as in
-                # kareus.workflows.profile: the nvml backend refuses while the GPU runs
-                # another
+                # kareus.workflows.profile: nvml refuses while the GPU runs another
                 if task.key == COMPOSITION:
                     outcome = measure_composition(workload, be, report, task.policy, model)
                     return {**outcome.to_dict(), "backend": be.identity()} if record else None
@@ -222,10 +220,10 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
     """`kareus.workflows.profile.profile` with each partition's TP/CP group a unit of work on
     the Ray cluster at ``executor.ray_address`` (default: a local Ray), units in parallel;
     the journal is written here only. A unit whose node dies is retried up to ``retries``
-    times, reusing what it journaled before. ``checked``: the caller checked the inputs.
-    ``prior``: as `kareus.workflows.profile.profile`'s, opened on each rank."""
+    times, reusing what it journaled before. ``checked``: the caller checked the inputs;
+    ``prior``: as profile's, opened on each rank."""
     check_prior(prior)
-    cfg = config or (SearchConfig.informed() if prior is not None else SearchConfig())
+    cfg = config or SearchConfig.profiling(prior is not None)
     workload = job if isinstance(job, Workload) else Workload.build(job)
     ex = executor or ExecutorSpec("ray")
     if checked:
@@ -234,8 +232,7 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
         if retries < 0:
             raise SpecError(f"--ray-retries must be >= 0, got {retries}")
         # the driver need not have a GPU: a real GPU is checked where it opens, on a rank
-        keys = check_profile(workload, backend, cfg, keys, here=False,
-                             with_prior=prior is not None)
+        keys = check_profile(workload, backend, cfg, keys, False, prior is not None)
         ex.check()
     one = not backend.capabilities.process_per_gpu  # one rank a unit
     size_of = {k: 1 if one else workload[k].collective.group_size for k in workload.keys}
@@ -284,8 +281,7 @@ class _Driver:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.ray, self.store, self.backend, self.config = ray, store, backend, config
-        self.policy = FitPolicy()
-        self.prior: str | None = None
+        self.policy, self.prior = FitPolicy(), cast(str | None, None)
         self.job, self.jid = workload.to_job_dict(), store.register_job(workload.job)
         self.progress, self.retries, self.timeout_s = progress, retries, placement_timeout_s
         self.gpu = backend.capabilities.real_gpu
