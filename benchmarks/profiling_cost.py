@@ -83,18 +83,25 @@ def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _simulated(res, simulator, per_method: int) -> dict[str, list[tuple[float, float]]]:
+def _simulated_pairs(res, simulator, per_method: int
+                     ) -> dict[str, list[tuple[tuple[float, float], tuple[float, float]]]]:
     """Per method, a stratified sample of its frontier's plans run by the noise-free
-    emulator as whole iterations: what the plans really cost, whatever the numbers they
-    were composed from."""
+    emulator as whole iterations (what the plans really cost, whatever the numbers they
+    were composed from), each beside its composed (time, energy): (run, composed)."""
     from kareus.workflows.optimize import validation_sample
 
     out = {}
     for m, plans in res.plans.items():
         pick = validation_sample(len(plans), per_method)
-        out[m] = [(r.time_s, r.energy_j) for r in
-                  (simulator.run(plans[i].execution) for i in pick)]
+        out[m] = [((r.time_s, r.energy_j), (plans[i].time_s, plans[i].energy_j))
+                  for i, r in ((i, simulator.run(plans[i].execution)) for i in pick)]
     return out
+
+
+def _optimism(pairs) -> float:
+    """The median of composed energy over run energy, minus 1, of the same plans: how much
+    cheaper the numbers a frontier was composed from make its plans look."""
+    return statistics.median(c[1] / r[1] - 1 for r, c in pairs)
 
 
 def other_gpu_calibration(job, path: str) -> str:
@@ -154,7 +161,9 @@ def one(preset: str, seed: int, noise: float, gpu: str) -> dict:
                            measurements=journal)
             assert res is not None
             fronts[name] = res.frontier_points()
-            true[name] = _simulated(res, simulator, SIMULATED)
+            pairs = _simulated_pairs(res, simulator, SIMULATED)
+            true[name] = {m: [run for run, _c in p] for m, p in pairs.items()}
+            out[name]["optimism"] = {m: _optimism(p) for m, p in pairs.items()}
         out["gap"] = {m: _frontier_gap(fronts["before"][m], fronts["after"][m])
                       for m in fronts["before"]}
         out["true_gap"] = {m: _frontier_gap(true["before"][m], true["after"][m])
@@ -215,6 +224,12 @@ def main() -> None:
                 hi = med(r[key][m][1] for r in runs)
                 cells.append(f"{lo:+.2%} .. {hi:+.2%}")
             print(f"  {m:<24} {cells[0]:>20} | {cells[1]:>20} | {cells[2]:>20}")
+        print("  composed energy over run energy of the same plans, median (how much the "
+              "noisy numbers flatter a frontier): before | after")
+        for m in runs[0]["gap"]:
+            ob = med(x["optimism"][m] for x in b)
+            oa = med(x["optimism"][m] for x in a)
+            print(f"  {m:<24} {ob:+.2%} | {oa:+.2%}")
         print(flush=True)
 
 

@@ -121,6 +121,15 @@ def journal_cmd(
     console.print(t)
 
 
+ProfileBudget = Annotated[Optional[int], typer.Option(
+    "--budget", help="Settings per partition (mbo; default 40 with a prior, 100 without).")]
+ProfileBatch = Annotated[Optional[int], typer.Option(
+    "--batch-size", help="Settings per batch (default 5 with a prior, 10 without).")]
+ProfilePrior = Annotated[str, typer.Option(
+    "--prior", help="emulator (default): the nominal emulator's predictions for the job's "
+                    "GPU inform the searches and the steps' fits; none: without (docs/gpu.md).")]
+
+
 @app.command()
 @with_job
 @with_backend(default="nvml")
@@ -135,18 +144,11 @@ def profile(
                          ] = None,
     strategy: Annotated[str, typer.Option(
         "--strategy", help="mbo (default) or exhaustive: every setting.")] = "mbo",
-    budget: Annotated[Optional[int], typer.Option(
-        "--budget", help="Settings per partition (mbo; default 50 with a prior, 100 "
-                         "without).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", help="Settings per batch (default 5 with a prior, 10 without).")
-                          ] = None,
+    budget: ProfileBudget = None,
+    batch_size: ProfileBatch = None,
     tolerance: Annotated[float, typer.Option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
-    prior: Annotated[str, typer.Option(
-        "--prior", help="emulator (default): the nominal emulator's predictions for the "
-                        "job's GPU inform the searches and the steps' fits, or none "
-                        "(docs/gpu.md).")] = "emulator",
+    prior: ProfilePrior = "emulator",
     partitions_only: Annotated[bool, typer.Option(
         "--partitions-only", help="Skip the steps outside partitions (fixed steps, "
                                   "baselines, transfers, data-parallel sync).",
@@ -182,11 +184,7 @@ def profile(
     """
     workload = Workload.build(job)
     # the protocol (--window, --cooldown, --settle) is the backend's
-    check_prior(prior)
-    base = SearchConfig.profiling(prior != "none")
-    config = replace(base, strategy=strategy, seed=backend.seed, tolerance=tolerance,
-                     budget=base.budget if budget is None else budget,
-                     batch_size=base.batch_size if batch_size is None else batch_size)
+    config = _profile_config(prior, strategy, backend.seed, tolerance, budget, batch_size)
     if max_hours is not None and not max_hours > 0:
         raise SpecError(f"--max-hours must be positive, got {max_hours}")
     run = prepare_profile(workload, journal, backend, config, partition,
@@ -215,6 +213,16 @@ def profile(
         result = run.run(bars.update)
         bars.finish(result.searches)
     _print_profile(result, journal)
+
+
+def _profile_config(prior: str, strategy: str, seed: int, tolerance: float,
+                    budget: int | None, batch_size: int | None) -> SearchConfig:
+    """The profile's search: `SearchConfig.profiling` for the prior, with what was given."""
+    check_prior(prior)
+    base = SearchConfig.profiling(prior != "none")
+    return replace(base, strategy=strategy, seed=seed, tolerance=tolerance,
+                   budget=base.budget if budget is None else budget,
+                   batch_size=base.batch_size if batch_size is None else batch_size)
 
 
 def _estimate_within(run: ProfileRun, max_hours: float | None) -> CostSummary:
