@@ -47,7 +47,8 @@ def ray_session():
 def profiled(ray_session, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ray") / "j.sqlite")
     seen: list[tuple[str, int, int]] = []
-    result = profile_ray(JOB, path, BACKEND, CONFIG,
+    # with the emulator prior, opened on each rank (the search's and the steps' fits')
+    result = profile_ray(JOB, path, BACKEND, CONFIG, prior="emulator",
                          progress=lambda k, d, n: seen.append((k, d, n)))
     return path, result, seen
 
@@ -84,7 +85,7 @@ def test_every_partition_and_composition_step_is_journaled(profiled):
 
 def test_a_second_run_measures_nothing(profiled):
     path, first, _ = profiled
-    again = profile_ray(JOB, path, BACKEND, CONFIG)
+    again = profile_ray(JOB, path, BACKEND, CONFIG, prior="emulator")  # the same path
     assert [r.measured_this_run for r in again.searches] == [0] * len(first.searches)
     assert [r.samples for r in again.searches] == [
         [type(s)(s.knobs, s.measurement, reused=True) for s in r.samples]

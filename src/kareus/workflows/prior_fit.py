@@ -12,8 +12,10 @@ is fitted as a line in the clock (for time and for dynamic energy apart). The fi
 when the held-out error is within the tolerance, or within three standard deviations of
 the held-out errors of all the job's series where the measurements are noisier (their
 median absolute value over 0.6745; a step whose ratio bends has a large error of its own,
-which must not loosen its own check). A series that fails, or whose prior says the power
-limiter holds a clock that the measurements do not, goes back to step_fit's own shape.
+which must not loosen its own check). A series that fails, or whose range free of the
+power limiter is too short to fit, goes back to step_fit's own shape. Clocks the limiter
+holds (as the prior predicts, or as measured) are measured, never fitted
+(`kareus.workflows.step_fit._fit_through_prior`).
 
 Three measurements a series instead of six. A prior that is wrong in kind for some step
 costs the fallback's measurements for that step, never a wrong number: a step is fitted

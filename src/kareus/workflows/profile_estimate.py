@@ -8,7 +8,10 @@ Counts, per kind:
   grouped by step, each measured at the clocks `kareus.workflows.step_fit` plans (the
   anchors and a held-out clock, and every clock above the highest anchor the power
   limiter does not hold down, as the noise-free emulator predicts it for the job's GPU)
-  and fitted at the others; the bound if every fit failed is every clock;
+  and fitted at the others; with the prior, the two ends of the range the emulator
+  predicts free of the limiter, a held-out clock, and every clock above the range (a
+  limiter the emulator does not foresee costs more than this: docs/gpu.md); the bound if
+  every fit failed is every clock;
 - settles: the search measures each batch one clock at a time, so a batch of ``b``
   settings over ``F`` clocks takes the expected number of distinct clocks,
   ``F (1 - (1 - 1/F)^b)``; the steps are measured phase by phase, one clock at a time.
@@ -51,8 +54,8 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
                      policy: FitPolicy | None = None, executor: ExecutorSpec | None = None,
                      prior: str | None = None) -> CostSummary:
     """The cost of ``kareus profile`` with these inputs (checked by the caller).
-    ``prior``: the profile's (its searches' initial design is smaller, its steps are
-    fitted through it)."""
+    ``prior``: the profile's (its steps are fitted through it, kareus.workflows.prior_fit;
+    its searches' initial design is the prior's size where the configuration sets none)."""
     policy = policy or FitPolicy()
     job = workload.job
     protocol = backend.protocol or MeasurementProtocol()
