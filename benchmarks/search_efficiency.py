@@ -9,9 +9,13 @@ describe: the "real GPU" is the emulator with four mechanisms switched or change
 (a memoryless power limiter, no interference beyond SM loss, cuBLAS tiles planned for the
 whole GPU, a soft collective-versus-CTA curve; `other_gpu_params`), noise on, and the prior
 is the nominal emulator; measurements to reach 0.99 with and without the prior.
+``--informed``: the search `kareus profile` runs by default (`SearchConfig.informed`) on
+that GPU, from an initial design of 10 against 16.
 
     python benchmarks/search_efficiency.py [--seeds 5] [--jobs kareus-1,kareus-2] [--workers 2]
         [--strategy mbo|published] [--out figures.json]
+    python benchmarks/search_efficiency.py --informed --seeds 3 \
+        --jobs kareus-1,kareus-2,llama3.3-70b-64gpu
 """
 
 from __future__ import annotations
@@ -118,6 +122,52 @@ def run_case(args):
     return out
 
 
+def run_informed(args):
+    """The profile's informed search (`SearchConfig.informed`) on the other GPU, with an
+    initial design of ``initial``: the true hypervolume ratio of what it measured."""
+    preset, key, seed, initial = args
+    from kareus.backends.emulator import EmulatorBackend
+    from kareus.job.sources import build_job
+    from kareus.search import SearchConfig, run_search
+    from kareus.workload.workload import Workload
+
+    job = build_job(preset)
+    p = Workload.build(job).partitions[key]
+    params = other_gpu_params(job)
+    truth = EmulatorBackend(job, params=params)
+    real = EmulatorBackend(job, params=params, noise=NOISE, seed=seed)
+    config = replace(SearchConfig.informed(seed), initial=initial)
+    r = run_search(p, _journaled(real, job), job.freqs_mhz, config, EmulatorBackend(job))
+    ratio = _quality(job, p, truth).ratio(
+        (m.time_s, m.dynamic_energy_j) for m in (truth.predict(p, s.knobs) for s in r.samples))
+    return preset, key, initial, len(r.samples), ratio
+
+
+def informed_main(jobs: list[str], seeds: int, workers: int) -> None:
+    """`--informed`: the profile's search at its budget, initial design 10 against 16."""
+    from kareus.job.sources import build_job
+    from kareus.search.config import INFORMED_INITIAL
+    from kareus.workload.workload import Workload
+
+    designs = (10, INFORMED_INITIAL)
+    cases = [(preset, key, seed, n) for preset in jobs
+             for key in Workload.build(build_job(preset)).partitions.keys
+             for seed in range(seeds) for n in designs]
+    with ProcessPoolExecutor(workers) as pool:
+        results = list(pool.map(run_informed, cases))
+    print(f"The profile's informed search (SearchConfig.informed) on another GPU, noise "
+          f"{NOISE:.0%}: hypervolume ratio vs the exhaustive noise-free frontier, median "
+          f"(lowest) of {seeds} seeds, initial design " + " / ".join(map(str, designs)))
+    keys = dict.fromkeys((p, k) for p, k, _s, _n in cases)
+    for preset, key in keys:
+        cells = []
+        for n in designs:
+            rs = [r for r in results if r[:3] == (preset, key, n)]
+            cells.append(f"{_med([r[4] for r in rs]):.4f} ({min(r[4] for r in rs):.4f}) "
+                         f"at {_med([r[3] for r in rs]):.0f}")
+        print(f"{preset:<20} {key:<12} " + "   ".join(cells))
+
+
 def _med(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -140,7 +190,13 @@ def main() -> None:
                     help="the model-based search to measure (published: the published "
                          "Kareus configuration)")
     ap.add_argument("--out", help="write every figure as JSON here")
+    ap.add_argument("--informed", action="store_true",
+                    help="only the profile's informed search on the other GPU (budget 40, "
+                         "batches of 5), initial design 10 against 16")
     args = ap.parse_args()
+    if args.informed:
+        informed_main(args.jobs.split(","), args.seeds, args.workers)
+        return
     from kareus.job.sources import build_job
     from kareus.workload.workload import Workload
 

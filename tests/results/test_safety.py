@@ -159,15 +159,18 @@ def test_a_second_optimize_on_the_same_out_is_refused_naming_the_first(tmp_path)
 def test_a_second_profile_on_the_same_journal_is_refused_naming_the_first(tmp_path):
     journal = tmp_path / "j.sqlite"
     args = ("profile", "-p", "kareus-1", "--microbatches", "4", "--backend", "emulator",
-            "--strategy", "exhaustive", "--partitions-only", "--journal", str(journal))
-    first = _start(*args, "--json")
+            "--partitions-only", "--journal", str(journal))
+    # a search that lasts (an exhaustive profile ends in about 1.5 s, which a loaded
+    # machine's start of the second process could outlast): it is killed
+    first = _start(*args, "--budget", "200", "--tolerance", "0", "--json")
     lock = journal.with_name(journal.name + ".lock")
     try:
         _wait_started(first, lock, journal)
-        r = _kareus(*args, "--json")
+        r = _kareus(*args, "--strategy", "exhaustive", "--json")
         assert r.returncode == 2, r.stderr
         line = _one_error_line(r.stderr)
         assert f"pid {first.pid}" in line and str(journal) in line, line
+        assert first.poll() is None, "the first run still holds it"
     finally:
         _kill(first)
 
