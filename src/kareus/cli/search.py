@@ -17,7 +17,7 @@ from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec, prepare_search
-from kareus.workflows.profile import ProfileResult
+from kareus.workflows.profile import DEFAULT_PRIOR, ProfileResult
 from kareus.workflows.profile_cost import CostSummary
 from kareus.workflows.profiling import ProfileRun, prepare_profile
 from kareus.workflows.progress import ProgressBars
@@ -148,7 +148,7 @@ def profile(
     batch_size: ProfileBatch = None,
     tolerance: Annotated[float, typer.Option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
-    prior: ProfilePrior = "emulator",
+    prior: ProfilePrior = DEFAULT_PRIOR,
     partitions_only: Annotated[bool, typer.Option(
         "--partitions-only", help="Skip the steps outside partitions (fixed steps, "
                                   "baselines, transfers, data-parallel sync).",

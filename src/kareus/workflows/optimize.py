@@ -53,7 +53,7 @@ from kareus.search.loop import SearchConfig, SearchResult
 from kareus.store import Journal, job_id
 from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_tasks, run_tasks
 from kareus.workflows.power_limited import iso_power, power_limited_megatron
-from kareus.workflows.profile import check_profile, profile, torchrun_rank
+from kareus.workflows.profile import DEFAULT_PRIOR, check_profile, profile, torchrun_rank
 from kareus.workload.workload import Workload
 
 Solved = dict[str, list[PipelinePoint]]
@@ -106,7 +106,8 @@ class OptimizeRun:
         rd = ResultDir(self.out_dir)
         if self.measures_only:
             rd.path.mkdir(parents=True, exist_ok=True)
-            profile(self.workload, str(rd.journal), self.backend, self.config)
+            profile(self.workload, str(rd.journal), self.backend, self.config,
+                    prior=DEFAULT_PRIOR)
             return None
         held = self.lock
         if held is None or not held.held:  # not prepared here, or run again
@@ -124,8 +125,10 @@ class OptimizeRun:
         if self.backend.capabilities.profiles_first:
             t0 = time.perf_counter()
             say(f"profiling every partition and composition step on {self.backend.name}")
+            # the searches at optimize's budget, informed by the emulator like `kareus
+            # profile`'s; the steps fitted through it
             profiled = profile(self.workload, str(rd.journal), self.backend, self.config,
-                               progress=progress)
+                               progress=progress, prior=DEFAULT_PRIOR)
             self.timings["profile"] = time.perf_counter() - t0
             source = (str(rd.journal), profiled.identity)  # not another backend's
         simulator: PlanSimulator | None = None
@@ -272,7 +275,7 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
     run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, left_out, force=force,
                       solver=solver, validate_plans=validate_plans)
     if run.measures_only:
-        check_profile(workload, spec, config)
+        check_profile(workload, spec, config, with_prior=True)  # profiles with DEFAULT_PRIOR
         return run
     ex.check()
     rd = ResultDir(out_dir)

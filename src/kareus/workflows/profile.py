@@ -48,6 +48,10 @@ ProfileProgress = Callable[[str, int, int], None]
 COMPOSITION = "composition steps"
 """The progress label of the measurements outside partitions."""
 
+DEFAULT_PRIOR = "emulator"
+"""The prior `kareus profile` and `kareus optimize` on a real GPU profile with: every GPU
+Kareus plans for has a model in the emulator (docs/gpu.md, "What a profile costs")."""
+
 
 @dataclass
 class ProfileResult:
