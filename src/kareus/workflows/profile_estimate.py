@@ -5,16 +5,14 @@ Counts, per kind:
   profile), less what the journal holds of it: an upper bound, since the search stops
   early once its hypervolume stops improving;
 - the steps outside partitions: the numbers composition needs and the journal lacks,
-  grouped by step, each measured at the clocks `kareus.workflows.step_fit` plans (the
-  anchors and a held-out clock, and every clock above the highest anchor the power
-  limiter does not hold down, as the noise-free emulator predicts it for the job's GPU)
-  and fitted at the others; with the prior, the two ends of the range the emulator
-  predicts free of the limiter, a held-out clock, and every clock above the range (a
-  limiter the emulator does not foresee costs more than this: docs/gpu.md); the bound if
-  every fit failed is every clock;
+  planned as the run plans them (`kareus.workflows.step_fit.measure_steps`, through the
+  prior where the profile has one) with the noise-free emulator answering each
+  measurement: the anchors, held-out clocks and throttled tops the run measures where the
+  GPU behaves as the emulator predicts (a limiter the emulator does not foresee costs
+  more: docs/gpu.md); the bound if every fit failed is every clock;
 - settles: the search measures each batch one clock at a time, so a batch of ``b``
   settings over ``F`` clocks takes the expected number of distinct clocks,
-  ``F (1 - (1 - 1/F)^b)``; the steps are measured phase by phase, one clock at a time.
+  ``F (1 - (1 - 1/F)^b)``; the steps' settles are those of the planned run.
 
 What the journal holds is subtracted where the backend opens on this machine (the
 emulator, a replay); a real GPU's journal entries are keyed by its identity, which needs
@@ -31,21 +29,18 @@ from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need, measure_need
 from kareus.backends.registry import BackendSpec, spec_from_options
-from kareus.compose.options import Composer, key_frontiers
-from kareus.core import MeasurementProtocol
+from kareus.core import Measurement, MeasurementProtocol
 from kareus.search.loop import SearchConfig
 from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec
-from kareus.workflows.prior_fit import informed_range
-from kareus.workflows.profile import _runnable
-from kareus.workflows.profile_cost import CostSummary, expected_clock_changes, group_gpus
-from kareus.workflows.step_fit import (
-    FitPolicy,
-    held_down,
-    plan_anchors,
-    planned_clocks,
-    series_key,
+from kareus.workflows.profile import composition_needs
+from kareus.workflows.profile_cost import (
+    CostSummary,
+    StepsOutcome,
+    expected_clock_changes,
+    group_gpus,
 )
+from kareus.workflows.step_fit import FitPolicy, measure_steps
 from kareus.workload.workload import Workload
 
 
@@ -136,56 +131,19 @@ def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPol
 def _count_steps(workload: Workload, backend: JournaledBackend, policy: FitPolicy,
                  protocol: MeasurementProtocol, predictor: Backend, informed: bool
                  ) -> tuple[int, int, float, int]:
-    composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
-    fronts = key_frontiers({k: backend.samples(k) for k in workload.keys})
-    todo = [n for n in backend.lacks(composer.needs(_runnable(workload), fronts))
-            if n.transient is None]
-    series: dict[tuple, list[Need]] = {}
-    for n in todo:
-        series.setdefault(series_key(n), []).append(n)
-    clocks_of = {k: sorted({n.knobs.freq_mhz for n in v}, reverse=True)
-                 for k, v in series.items()}
-    first: set[int] = set()  # clocks of the first phase: anchors and steps measured whole
-    checks: set[int] = set()  # of the second: held-out clocks and throttled tops
-    measured = 0
-    for k, clocks in clocks_of.items():
-        plan, anchors = _planned(series[k], clocks, policy, predictor, informed)
-        measured += len(plan)
-        first.update(anchors if len(plan) < len(clocks) else plan)
-        if len(plan) < len(clocks):
-            checks.update(set(plan) - set(anchors))
-    # measured phase by phase (kareus.workflows.step_fit), each one clock at a time
-    changes = len(first) + len(checks)
-    return measured, len(todo), _protocol_s(protocol, measured, changes), changes
+    """The run's own planning (`measure_steps`, through the prior where ``informed``) with
+    the noise-free emulator answering every measurement: the clocks, phases and settles
+    the run takes where the GPU behaves as the emulator predicts."""
+    todo = composition_needs(workload, backend)
+    outcome = StepsOutcome()
 
+    def measure(batch: Sequence[Need]) -> list[Measurement]:
+        for need in batch:
+            outcome.charge(protocol, need.knobs.freq_mhz)
+        return [measure_need(predictor, need) for need in batch]
 
-def _planned(needs: Sequence[Need], clocks: list[int], policy: FitPolicy,
-             predictor: Backend, informed: bool) -> tuple[list[int], list[int]]:
-    """The clocks a series is measured at where every fit passes, and its anchors.
-    Through the prior: the ends of the clocks it predicts free of the power limiter and a
-    held-out clock, with every clock above them (the limiter measured, not fitted)."""
-    if informed and policy.enabled:
-        at = {n.knobs.freq_mhz: n for n in needs}
-        free = informed_range(at, {f: measure_need(predictor, n) for f, n in at.items()},
-                              held_down)
-        if len(free) >= policy.min_clocks:
-            plan = planned_clocks(free, policy, informed=True)
-            top = [f for f in clocks if f not in free]
-            return top + plan, top + plan_anchors(free, policy.informed_anchors)
-    plan = planned_clocks(clocks, policy)
-    anchors = plan_anchors(clocks, policy.anchors)
-    if len(plan) < len(clocks):
-        plan = plan + _throttled_top(needs, anchors, plan, predictor)
-    return plan, anchors
+    def predict(need: Need) -> Measurement:
+        return measure_need(predictor, need)
 
-
-def _throttled_top(needs: Sequence[Need], anchors: Sequence[int], planned: Sequence[int],
-                   predictor: Backend) -> list[int]:
-    """The clocks `measure_steps` measures beyond ``planned`` because an anchor is held
-    below its clock: every clock above the highest anchor that is not (predicted)."""
-    at = {n.knobs.freq_mhz: n for n in needs}
-    throttled = {f for f in anchors if held_down(measure_need(predictor, at[f]), f)}
-    if not throttled:
-        return []
-    top_free = max((f for f in anchors if f not in throttled), default=min(at))
-    return [f for f in sorted(at, reverse=True) if f > top_free and f not in planned]
+    report = measure_steps(todo, measure, policy, predict if informed else None)
+    return len(report.measured), len(todo), outcome.cost_s, outcome.settles
