@@ -56,9 +56,9 @@ class NvmlBackend:
                  name: str = "nvml", agree: Callable[[int], int] | None = None,
                  runtime: str = "kernels", power_limit_w: float | None = None) -> None:
         self.name = name
+        """"nvml"; "fakegpu" for the CPU kernels with a fake device's energy counter."""
         self.power_limit_w = power_limit_w
         """The board power limit Kareus set for these measurements (None: untouched)."""
-        """"nvml"; "fakegpu" for the CPU kernels with a fake device's energy counter."""
         self.job = job
         self.gpu = job.gpu_spec
         self.device = device

@@ -197,10 +197,9 @@ def prior_choices() -> tuple[str, ...]:
 
 def open_prior(name: str | None, job: JobSpec) -> CostModel | None:
     """The search prior ``name`` ("none", or a kind with a cost model)."""
+    check_prior(name)
     if name in (None, "none"):
         return None
-    if name not in cost_model_kinds():
-        raise SpecError(f"unknown prior {name!r}; available: {', '.join(prior_choices())}")
     return backend_kind(name)().cost_model(job)
 
 

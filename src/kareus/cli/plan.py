@@ -171,7 +171,7 @@ def _run_cost(rd: ResultDir, p: Plan, job: dict[str, Any], iterations: Optional[
         raise KareusError("--price-per-kwh and --grid-g-co2-per-kwh need --iterations or "
                           "--train-tokens")
     n = iterations_of(JobSpec.model_validate(job), iterations, train_tokens)
-    ref = min(rd.frontier("megatron"), key=lambda q: (q["time_s"], q["energy_j"]))
+    ref = select(rd.frontier("megatron"), "max-throughput")
     return RunCost.of(n, p.time_s, p.energy_j, float(ref["time_s"]),
                       float(ref["energy_j"]), price_per_kwh, g_co2_per_kwh)
 

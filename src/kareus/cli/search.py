@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kareus import SCHEMA_VERSION
-from kareus.backends.registry import BackendSpec, check_prior
+from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
@@ -217,8 +217,8 @@ def profile(
 
 def _profile_config(prior: str, strategy: str, seed: int, tolerance: float,
                     budget: int | None, batch_size: int | None) -> SearchConfig:
-    """The profile's search: `SearchConfig.profiling` for the prior, with what was given."""
-    check_prior(prior)
+    """The profile's search: `SearchConfig.profiling` for the prior, with what was given
+    (the prior's name is checked with the other inputs, `prepare_profile`)."""
     base = SearchConfig.profiling(prior != "none")
     return replace(base, strategy=strategy, seed=seed, tolerance=tolerance,
                    budget=base.budget if budget is None else budget,

@@ -59,12 +59,6 @@ def evaluate(options: Options, costs: PipelineCosts, choice: dict[InstructionId,
                          {iid: choice[iid] for iid in c.ids}, picks, options)
 
 
-def charged_durations(point: PipelinePoint, costs: PipelineCosts) -> dict[InstructionId, float]:
-    """Each instruction's duration as `evaluate` charged it (wait transients included):
-    the durations the point's iteration time comes from."""
-    return {iid: t for iid, (t, _e) in charged_costs(point, costs).items()}
-
-
 def charged_costs(point: PipelinePoint, costs: PipelineCosts
                   ) -> dict[InstructionId, tuple[float, float]]:
     """Each instruction's (duration, dynamic energy on one GPU of its stage) as `evaluate`

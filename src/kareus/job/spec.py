@@ -207,6 +207,11 @@ class JobSpec(BaseModel):
         return self.gpus_per_node * self.nodes
 
     @property
+    def tokens_per_iteration(self) -> int:
+        """Tokens one iteration trains on: every data-parallel replica's microbatches."""
+        return self.micro_batch_size * self.num_microbatches * self.seq_length * (self.dp or 1)
+
+    @property
     def splits_into_nanobatches(self) -> bool:
         """Each microbatch can be split into two equal nanobatches (an even micro-batch
         size): what Kareus's partitions and the Nanobatching methods need. Megatron-LM and

@@ -16,10 +16,6 @@ from kareus.job.spec import JobSpec
 J_PER_MWH = 3.6e9
 
 
-def tokens_per_iteration(job: JobSpec) -> int:
-    return job.micro_batch_size * job.num_microbatches * job.seq_length * (job.dp or 1)
-
-
 def iterations_of(job: JobSpec, iterations: int | None, train_tokens: float | None) -> int:
     """The run's iterations: given, or the tokens over the tokens per iteration (rounded
     up); one of the two, positive."""
@@ -32,7 +28,7 @@ def iterations_of(job: JobSpec, iterations: int | None, train_tokens: float | No
     assert train_tokens is not None
     if not train_tokens > 0:
         raise SpecError(f"--train-tokens must be positive, got {train_tokens:g}")
-    return math.ceil(train_tokens / tokens_per_iteration(job))
+    return math.ceil(train_tokens / job.tokens_per_iteration)
 
 
 @dataclass(frozen=True)

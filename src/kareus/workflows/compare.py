@@ -144,5 +144,3 @@ def compare_markdown(doc: dict[str, Any]) -> str:
     if sens:
         lines += sensitivity_markdown(sens, METRIC_COLUMNS, HEADS)
     return "\n".join(lines)
-
-

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from kareus.backends.agreed import AgreedBackend
 from kareus.backends.journaled import JournaledBackend
@@ -222,7 +222,6 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
     the journal is written here only. A unit whose node dies is retried up to ``retries``
     times, reusing what it journaled before. ``checked``: the caller checked the inputs;
     ``prior``: as profile's, opened on each rank."""
-    check_prior(prior)
     cfg = config or SearchConfig.profiling(prior is not None)
     workload = job if isinstance(job, Workload) else Workload.build(job)
     ex = executor or ExecutorSpec("ray")
@@ -231,6 +230,7 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
     else:
         if retries < 0:
             raise SpecError(f"--ray-retries must be >= 0, got {retries}")
+        check_prior(prior)
         # the driver need not have a GPU: a real GPU is checked where it opens, on a rank
         keys = check_profile(workload, backend, cfg, keys, False, prior is not None)
         ex.check()
@@ -238,8 +238,7 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
     size_of = {k: 1 if one else workload[k].collective.group_size for k in workload.keys}
     with ray_session(ex.ray_address) as ray, Journal(journal) as store:
         driver = _Driver(ray, store, workload, backend, cfg, progress, retries,
-                         placement_timeout_s)
-        driver.policy, driver.prior = policy or FitPolicy(), prior
+                         placement_timeout_s, policy or FitPolicy(), prior)
         try:
             docs = driver.run_all([_Unit(k, size_of[k]) for k in keys])
             result = ProfileResult([SearchResult.from_dict(docs[k]) for k in keys])
@@ -251,8 +250,8 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
             driver.drain()
             cost = result.summarise(workload, backend.protocol or MeasurementProtocol(),
                                     parallel_groups=max(1, len(keys)))
-            store.record_profile_run(store.register_job(workload.job),
-                                     result.identity or backend.name, cost.to_dict())
+            store.record_profile_run(driver.jid, result.identity or backend.name,
+                                     cost.to_dict())
         finally:
             driver.drain()
             ray.kill(driver.queue.actor)
@@ -276,12 +275,12 @@ class _Driver:
 
     def __init__(self, ray: Any, store: Journal, workload: Workload, backend: BackendSpec,
                  config: SearchConfig, progress: ProfileProgress | None, retries: int,
-                 placement_timeout_s: float) -> None:
+                 placement_timeout_s: float, policy: FitPolicy, prior: str | None) -> None:
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.ray, self.store, self.backend, self.config = ray, store, backend, config
-        self.policy, self.prior = FitPolicy(), cast(str | None, None)
+        self.policy, self.prior = policy, prior
         self.job, self.jid = workload.to_job_dict(), store.register_job(workload.job)
         self.progress, self.retries, self.timeout_s = progress, retries, placement_timeout_s
         self.gpu = backend.capabilities.real_gpu

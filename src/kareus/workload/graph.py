@@ -162,9 +162,8 @@ def model_flops_per_token(job: JobSpec) -> float:
 def mfu(job: JobSpec, iteration_s: float) -> float:
     """Model FLOPs utilisation of one iteration taking ``iteration_s``: the model FLOPs of
     its tokens over the job's GPUs at their dense bf16 peak."""
-    tokens = job.num_microbatches * job.micro_batch_size * job.seq_length * (job.dp or 1)
     peak = job.gpu_spec.peak_bf16_flops * job.num_gpus
-    return model_flops_per_token(job) * tokens / (iteration_s * peak)
+    return model_flops_per_token(job) * job.tokens_per_iteration / (iteration_s * peak)
 
 
 def _at(seg: Segment, layer: int) -> Segment:
