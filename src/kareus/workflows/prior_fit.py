@@ -50,14 +50,14 @@ class RatioCheck:
 
 
 @dataclass(frozen=True)
-class _Ratios:
+class Ratios:
     """The lines measured / predicted of time and dynamic energy, in the clock (GHz)."""
 
     time: np.ndarray
     energy: np.ndarray
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[int, Measurement, Measurement]]) -> _Ratios:
+    def fit(cls, points: Sequence[tuple[int, Measurement, Measurement]]) -> Ratios:
         """``points``: (clock, measured, predicted), at least two clocks."""
         f = np.array([p[0] for p in points], dtype=float) / 1e3
         basis = np.c_[np.ones_like(f), f]
@@ -66,6 +66,11 @@ class _Ratios:
                        else 1.0 for _f, m, p in points])
         return cls(np.linalg.lstsq(basis, rt, rcond=None)[0],
                    np.linalg.lstsq(basis, re, rcond=None)[0])
+
+    def over(self, predicted: Mapping[int, Measurement]
+             ) -> Callable[[int], tuple[float, float]]:
+        """(time, dynamic energy) at a clock of ``predicted`` (clock: the prediction)."""
+        return lambda f: self.apply(f, predicted[f])
 
     def apply(self, freq_mhz: int, predicted: Measurement) -> tuple[float, float]:
         """(time, dynamic energy) at ``freq_mhz``: the prediction times the ratios."""
@@ -109,7 +114,7 @@ def check_series(points: Sequence[tuple[int, Measurement, Measurement]], check: 
     """Fit the ratios without the clock ``check`` and compare at it."""
     rest = [p for p in points if p[0] != check]
     held = next(p for p in points if p[0] == check)
-    t, e = _Ratios.fit(rest).apply(check, held[2])
+    t, e = Ratios.fit(rest).apply(check, held[2])
     m = held[1]
     return RatioCheck(t / m.time_s - 1,
                       e / m.dynamic_energy_j - 1 if m.dynamic_energy_j else 0.0)
@@ -130,21 +135,3 @@ def noise_allowance(checks: Iterable[RatioCheck], tolerance: float) -> tuple[flo
 def passes(check: RatioCheck, allowance: tuple[float, float]) -> bool:
     return (abs(check.time_error) <= allowance[0]
             and abs(check.energy_error) <= allowance[1])
-
-
-def fitted_values(points: Sequence[tuple[int, Measurement, Measurement]],
-                  todo: Mapping[int, Measurement]) -> dict[int, tuple[float, float]] | None:
-    """(time, dynamic energy) at each clock of ``todo`` (clock: the prior's prediction),
-    from the ratios fitted to every measured point; None if a clock lies outside the
-    measured range (never extrapolated) or a value is not positive."""
-    ratios = _Ratios.fit(points)
-    lo, hi = min(p[0] for p in points), max(p[0] for p in points)
-    out = {}
-    for f, predicted in todo.items():
-        if not lo <= f <= hi:
-            return None
-        t, e = ratios.apply(f, predicted)
-        if t <= 0 or e < 0:
-            return None
-        out[f] = (t, e)
-    return out

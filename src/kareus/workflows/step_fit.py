@@ -43,8 +43,8 @@ from kareus.backends.needs import Need
 from kareus.core import Measurement
 from kareus.workflows.prior_fit import (
     Predict,
+    Ratios,
     check_series,
-    fitted_values,
     informed_range,
     noise_allowance,
     passes,
@@ -213,26 +213,15 @@ def _fit_through_prior(fitting: dict[tuple, dict[int, Need]], report: StepFitRep
     allowance = noise_allowance(checked.values(), policy.tolerance)
     done = set()
     for k, c in checked.items():
-        todo = {f: predicted[k][f] for f, n in fitting[k].items() if n not in m}
-        values = fitted_values(points[k], todo) if passes(c, allowance) else None
-        if values is None:
+        if not passes(c, allowance):
             continue
-        static_w = float(np.median([mm.static_energy_j / mm.time_s for _f, mm, _p
-                                    in points[k]]))
-        info = FitInfo(c.time_error, c.energy_error, tuple(sorted(
-            (f for f, n in fitting[k].items() if n in m), reverse=True)))
-        for f, (t, e) in values.items():
-            report.fitted[fitting[k][f]] = (_fitted(f, t, e, static_w), info)
-        done.add(k)
+        values = _fill(fitting[k], m, [(f, mm) for f, mm, _p in points[k]],
+                       Ratios.fit(points[k]).over(predicted[k]),
+                       (c.time_error, c.energy_error))
+        if values is not None:
+            report.fitted.update(values)
+            done.add(k)
     return done
-
-
-def _fitted(freq_mhz: int, time_s: float, dynamic_j: float, static_w: float) -> Measurement:
-    """A fitted number, its static energy as the measurements count it (their static
-    power times the time)."""
-    static_j = static_w * time_s
-    return Measurement(time_s, static_j + dynamic_j, static_j, dynamic_j,
-                       (static_j + dynamic_j) / time_s, float(freq_mhz))
 
 
 def held_down(m: Measurement, freq_mhz: int) -> bool:
@@ -352,24 +341,37 @@ def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
     if (abs(check.time_error) > allow_t or abs(check.energy_error) > allow_e
             or check.spread[0] > allow_t or check.spread[1] > allow_e):
         return None
-    err_t, err_e = check.time_error, check.energy_error
     everything = _fit_points(series, measured)
     curves = _Curves.fit(everything)  # the held-out clock joins the final fit
-    lo, hi = everything[0][0], everything[-1][0]
+    return _fill(series, measured, everything, curves.predict,
+                 (check.time_error, check.energy_error))
+
+
+def _fill(series: dict[int, Need], measured: dict[Need, Measurement],
+          points: Sequence[tuple[int, Measurement]],
+          value: Callable[[int], tuple[float, float]], errors: tuple[float, float]
+          ) -> dict[Need, tuple[Measurement, FitInfo]] | None:
+    """The series' unmeasured clocks, each (time, dynamic energy) from ``value``, or None
+    where one lies outside the range of the fit's ``points`` (never extrapolated) or a
+    value is not positive. ``errors``: the held-out check's (time, energy)."""
+    clocks = [f for f, _m in points]
+    lo, hi = min(clocks), max(clocks)
     # static energy as the measurements count it: their static power times the time
-    static_w = float(np.median([m.static_energy_j / m.time_s for _f, m in everything]))
-    info = FitInfo(err_t, err_e, tuple(sorted(
+    static_w = float(np.median([m.static_energy_j / m.time_s for _f, m in points]))
+    info = FitInfo(*errors, tuple(sorted(
         (f for f, n in series.items() if n in measured), reverse=True)))
     out: dict[Need, tuple[Measurement, FitInfo]] = {}
     for f, n in series.items():
         if n in measured:
             continue
-        if not lo <= f <= hi:  # outside the fitted range: never extrapolated
+        if not lo <= f <= hi:
             return None
-        t, e = curves.predict(f)
+        t, e = value(f)
         if t <= 0 or e < 0:
             return None
-        out[n] = (_fitted(f, t, e, static_w), info)
+        static_j = static_w * t
+        out[n] = (Measurement(t, static_j + e, static_j, e, (static_j + e) / t, float(f)),
+                  info)
     return out
 
 
