@@ -13,7 +13,7 @@ from kareus.job.spec import JobSpec
 from kareus.plans.methods import ISO_REFERENCE, display_name
 from kareus.results.result import OptimizeResult
 from kareus.search.loop import SearchConfig
-from kareus.workflows.compare import run_suite
+from kareus.workflows.compare import prepare_suite
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import prepare_optimize
 from kareus.workflows.progress import ProgressBars
@@ -140,12 +140,12 @@ def compare(
              + ", ".join(c.name for c in CONSTANTS) + ").")] = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run every preset of a suite through `optimize` and compare the methods."""
-    ExecutorSpec(workers=workers).check()
+    """Run every preset of a suite through `optimize` and compare the methods: DIR holds
+    only what Kareus writes (refused before any work otherwise), its comparison files are
+    replaced whole, each preset's result directory DIR/PRESET keeps its journal."""
     spec = SensitivitySpec.parse(sensitivity, sensitivity_presets, sensitivity_constants)
-    doc = run_suite(suite, out, budget, seed, noise, workers,
-                    log=None if json_out else (lambda m: stderr_console().log(m)),
-                    sensitivity=spec)
+    run = prepare_suite(suite, out, budget, seed, noise, workers, sensitivity=spec)
+    doc = run.run(log=None if json_out else (lambda m: stderr_console().log(m)))
     if json_out:
         print_json(doc)
         return

@@ -14,7 +14,7 @@ from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.export import export_plan
 from kareus.plans.methods import get_method
-from kareus.plans.outfile import check_out_file, write_file_atomic
+from kareus.plans.outfile import check_distinct, check_out_file, write_file_atomic
 from kareus.plans.plan import (
     DEADLINE_TOLERANCE_S,
     ENERGY_TOLERANCE_J,
@@ -308,6 +308,7 @@ def plan_show(
     out = None if png is None else _out_file(rd, result, png, "--png", force, ".png")
     power_out = (None if power_png is None
                  else _out_file(rd, result, power_png, "--power-png", force, ".png"))
+    check_distinct({"--png": out, "--power-png": power_out})
     if power_cap_kw is not None and not power_cap_kw > 0:
         raise KareusError(f"--power-cap-kw must be positive, got {power_cap_kw:g}")
     p, job = _read_plan(rd, result, plan_id)

@@ -15,6 +15,9 @@ from pathlib import Path
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 MARK = "written by kareus: removed or replaced whole by its next run\n"
+TAG_MAX = 16
+"""The longest tag a writer gives `replace_dir` (a run id of 12 hex digits, a PID): the
+name checks before any work (`kareus.core.owned_dir.check_name`) count on it."""
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -79,7 +82,7 @@ def is_marked(directory: Path, marker: str) -> bool:
 
 def temp_dir(path: Path, tag: str) -> Path:
     """Where `replace_dir` builds the new content of ``path``: ``.NAME.tmp-TAG`` beside."""
-    return path.parent / f".{path.name}.tmp-{tag}"
+    return path.parent / f".{path.name}.tmp-{tag[:TAG_MAX]}"
 
 
 def replace_dir(path: Path, fill: Callable[[Path], None], tag: str,

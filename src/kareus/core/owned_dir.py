@@ -13,19 +13,26 @@
 - a link is followed: its target gets the content, the link stays.
 
 A kind says its marker, its lock file, the files and subdirectories a write replaces, what
-a run keeps across writes (`scratch`: carried over by hard links) and how to recognise one
-written before markers existed (`legacy`).
+a run keeps across writes (`scratch`: carried over by hard links; `kept_dirs`: directories of
+another kind inside it, written by the run itself and carried over whole, by hard links) and
+how to recognise one written before markers existed (`legacy`).
+
+Every path a run will create is checked before any work: a name that is not UTF-8 (reports
+and messages print it), or one too long once the temporary names beside it are formed, is
+refused up front instead of failing after the work (`check_name`).
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
-from kareus.core.atomic import is_marked, remove_leftovers, replace_dir
+from kareus.core.atomic import TAG_MAX, is_marked, remove_leftovers, replace_dir, temp_dir
 from kareus.core.jsonfile import read_json_object
 from kareus.core.lock import Lock
 from kareus.errors import KareusError
@@ -33,10 +40,77 @@ from kareus.errors import KareusError
 _KINDS: list[type[OwnedDir]] = []
 
 KNOWN_MARKERS = {".kareus-result": "result directory",
-                 ".kareus-import": "import-perseus output"}
+                 ".kareus-import": "import-perseus output",
+                 ".kareus-compare": "compare directory"}
 """The markers of every kind Kareus ships, whether or not its module was imported: a
 directory inside one of them is refused either way (a kind's class also registers
 itself, with how to recognise one written before markers)."""
+
+INNER_MAX = 160
+"""Bytes reserved, in the whole-path check, for the longest path a run writes inside its
+directory (``kareus-10/.plans.tmp-TAG/nanobatch_perseus-123.json`` and the like)."""
+
+
+def shown(path: str | Path) -> str:
+    """``path`` printable whatever bytes its name holds (not UTF-8: escaped)."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
+def _limit(path: Path, name: str, default: int) -> int:
+    """The file system's ``pathconf`` limit where ``path`` (or its nearest existing
+    ancestor) lives."""
+    for p in (path, *path.parents):
+        try:
+            if p.is_dir():
+                return os.pathconf(p, name)
+        except (OSError, ValueError):  # ENAMETOOLONG: a shorter ancestor answers
+            continue
+    return default
+
+
+def check_name(path: str | Path, option: str, beside: str, inner: int = 0) -> None:
+    """Refuse ``path`` (what ``option`` names) before any work when writing it would fail
+    after all the work: a name that is not valid UTF-8, a last component too long once
+    the run forms ``beside`` from it (its longest temporary name beside ``path``), or a
+    whole path too long with ``inner`` more bytes of what the run writes inside it."""
+    p = Path(path)
+    try:
+        str(p).encode("utf-8")
+        os.path.realpath(p).encode("utf-8")
+    except UnicodeEncodeError:
+        raise KareusError(f"{option} {shown(p)} is not a valid UTF-8 name (reports and "
+                          f"messages print it); choose another") from None
+    real = Path(os.path.realpath(p))
+    name_max = _limit(real.parent, "PC_NAME_MAX", 255)
+    own = len(os.fsencode(real.name))
+    over = max(0, len(os.fsencode(beside)) - own)
+    if own + over > name_max:
+        raise KareusError(f"{option} {shown(p)}: the name is too long ({own} bytes; the "
+                          f"run also writes one {over} bytes longer beside it, and names "
+                          f"here hold at most {name_max}); choose a name of at most "
+                          f"{name_max - over} bytes")
+    path_max = _limit(real.parent, "PC_PATH_MAX", 4096)
+    whole = len(os.fsencode(str(real.parent / beside))) + 1 + inner
+    if whole > path_max:
+        raise KareusError(f"{option} {shown(p)}: the path is too long (what the run writes "
+                          f"there would take {whole} bytes, paths hold at most "
+                          f"{path_max}); choose a shorter one")
+
+
+def owned_dir_holding(path: str | Path, skip: Path | None = None) -> tuple[Path, str] | None:
+    """The Kareus directory of any kind (result, import-perseus, compare) that ``path``
+    is inside, through links, with what it is; None where there is none. ``skip``: a
+    directory that does not count (the one a run writes its own directory into)."""
+    p = Path(os.path.abspath(path))
+    seen = [*Path(os.path.realpath(p)).parents, *p.parents]
+    for parent in dict.fromkeys(seen):  # the real ones first, each once
+        if skip is not None and parent == skip:
+            continue
+        found = [what for marker, what in KNOWN_MARKERS.items() if is_marked(parent, marker)]
+        found += [kind.what for kind in _KINDS if kind.is_mine(parent)]
+        if found:
+            return parent, found[0]
+    return None
 
 
 class OwnedDir:
@@ -55,6 +129,11 @@ class OwnedDir:
     """Subdirectories a write replaces, each (name, suffix of the files it holds)."""
     scratch: ClassVar[tuple[str, ...]] = ()
     """What a run keeps across writes besides the marker and the lock (carried over)."""
+    kept_dirs: ClassVar[tuple[tuple[str, type[OwnedDir]], ...]] = ()
+    """Subdirectories of another kind that a run writes itself (each with its own rules,
+    as ``within`` this one) and keeps across writes: (name pattern, kind). They are
+    checked with their kind's rules and carried over whole by hard links (a journal in
+    one is never copied, moved or lost)."""
     content: ClassVar[str] = "the content"
     """What a write writes, for messages: "the result"."""
     not_written: ClassVar[str] = "nothing was written"
@@ -64,10 +143,13 @@ class OwnedDir:
         super().__init_subclass__()
         _KINDS.append(cls)
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, within: str | Path | None = None) -> None:
         self.given = str(path)
         """The path as the user gave it (``Path("")`` would read as the current one)."""
         self.path = Path(path)
+        self.within = None if within is None else Path(os.path.realpath(within))
+        """The directory of Kareus's that this one is a kept subdirectory of (`kept_dirs`),
+        written by the same run: the only one it may be inside."""
 
     def target(self) -> Path:
         """Where the content is written: the directory, or where a link to it leads."""
@@ -82,12 +164,24 @@ class OwnedDir:
     def _scratch_names(self) -> set[str]:
         return {*self.scratch, self.lock_name, self.marker}
 
+    def _kept_kind(self, name: str) -> type[OwnedDir] | None:
+        return next((kind for pattern, kind in self.kept_dirs
+                     if fnmatch.fnmatchcase(name, pattern)), None)
+
     def _kind(self, entry: Path) -> str | None:
-        """"scratch" (kept across writes), "written" (what a write replaces), or None
-        (not Kareus's)."""
+        """"scratch" (kept across writes), "kept" (a kept subdirectory), "leftover" (what a
+        killed run of a kept subdirectory left beside it), "written" (what a write
+        replaces), or None (not Kareus's)."""
         name = entry.name
         if name in self._scratch_names():  # a link there could lead anywhere: not ours
             return "scratch" if not entry.is_dir() and not entry.is_symlink() else None
+        kept = self._kept_kind(name)
+        if kept is not None:
+            return "kept" if entry.is_dir() and not entry.is_symlink() else None
+        if name.startswith(".") and ".tmp-" in name:
+            kept = self._kept_kind(name[1:name.index(".tmp-")])
+            if kept is not None and is_marked(entry, kept.marker):
+                return "leftover"
         if name in dict(self.written_dirs):
             return "written" if entry.is_dir() and not entry.is_symlink() else None
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.written_files):
@@ -133,7 +227,13 @@ class OwnedDir:
     def _refusal(self, real: Path) -> str | None:
         """Why the existing directory ``real`` cannot take new content (None: it can)."""
         entries = list(real.iterdir())
-        if all(self._kind(e) == "scratch" for e in entries):
+        for e in entries:  # a kept subdirectory by its own kind's rules
+            kept = self._kept_kind(e.name) if self._kind(e) == "kept" else None
+            if kept is not None:
+                problem = kept(self.path / e.name, within=real)._refusal(e)
+                if problem:
+                    return problem
+        if all(self._kind(e) in ("scratch", "kept", "leftover") for e in entries):
             return None  # empty, or only what a killed run kept
         if not self.is_mine(real):
             return (f"{self.path} is not empty and is not a Kareus {self.what} (it holds "
@@ -163,14 +263,11 @@ class OwnedDir:
             if hit:
                 raise KareusError(f"{self.option} {self.given} is {what}; name a directory "
                                   f"of its own (e.g. runs/NAME)")
-        for parent in real.parents:
-            found = [what for marker, what in KNOWN_MARKERS.items()
-                     if is_marked(parent, marker)]
-            found += [kind.what for kind in _KINDS if kind.is_mine(parent)]
-            if found:
-                raise KareusError(f"{self.option} {self.given} is inside the {found[0]} "
-                                  f"{parent}, which the next run there replaces whole; "
-                                  f"choose a directory outside it")
+        holding = owned_dir_holding(self.path, skip=self.within)
+        if holding is not None:
+            raise KareusError(f"{self.option} {self.given} is inside the {holding[1]} "
+                              f"{holding[0]}, which the next run there replaces whole; "
+                              f"choose a directory outside it")
 
     # Writing ------------------------------------------------------------------------------
 
@@ -181,6 +278,7 @@ class OwnedDir:
         if not self.given.strip():
             raise KareusError(f"{self.option} is empty; name the directory")
         real = self.target()
+        check_name(self.path, self.option, temp_dir(real, "x" * TAG_MAX).name, INNER_MAX)
         self._refuse_place(real)
         if real.exists() and not real.is_dir():
             raise KareusError(f"cannot create {self.path}: it is a file, not a directory")
@@ -252,6 +350,9 @@ class OwnedDir:
                     if not os.path.lexists(dst):
                         os.rename(src, dst)
                         moved.append(rel)
+        for entry in list(old.iterdir()):
+            if self._kind(entry) == "kept" and (new / entry.name).is_dir():
+                moved += _move_new(entry, new / entry.name, entry.name)
         return moved
 
     def _carry_over(self, real: Path, tmp: Path) -> None:
@@ -261,8 +362,12 @@ class OwnedDir:
         if problem:
             raise KareusError(f"{problem}; {self.not_written}")
         for entry in real.iterdir():
-            if self._kind(entry) == "scratch" and entry.name != self.marker:
+            kind = self._kind(entry)
+            if kind == "scratch" and entry.name != self.marker:
                 os.link(entry, tmp / entry.name, follow_symlinks=False)
+            elif kind == "kept":  # whole, by hard links: never copied, never moved
+                shutil.copytree(entry, tmp / entry.name, symlinks=True,
+                                copy_function=_hard_link)
 
     def owns(self, path: str | Path) -> bool:
         """Whether ``path`` is one of the directory's own files: what a run writes or
@@ -271,5 +376,31 @@ class OwnedDir:
         root = self.path.resolve()
         if p.parent == root:
             return (p.name in self._scratch_names() or p.name in dict(self.written_dirs)
+                    or self._kept_kind(p.name) is not None
                     or any(fnmatch.fnmatchcase(p.name, pat) for pat in self.written_files))
-        return any(p.is_relative_to(root / d) for d, _suffix in self.written_dirs)
+        return (any(p.is_relative_to(root / d) for d, _suffix in self.written_dirs)
+                or (p.is_relative_to(root)
+                    and self._kept_kind(p.relative_to(root).parts[0]) is not None))
+
+
+def _hard_link(src: str, dst: str) -> None:
+    os.link(src, dst, follow_symlinks=False)
+
+
+def _move_new(old: Path, new: Path, rel: str) -> list[str]:
+    """What is in ``old`` and not in ``new`` (it appeared after ``old`` was carried over
+    into ``new`` by hard links) moved there; the names moved, relative to ``rel``."""
+    moved = []
+    for entry in list(old.iterdir()):
+        dst = new / entry.name
+        if not os.path.lexists(dst):
+            try:
+                os.rename(entry, dst)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                continue
+            moved.append(f"{rel}/{entry.name}")
+        elif entry.is_dir() and not entry.is_symlink() and dst.is_dir():
+            moved += _move_new(entry, dst, f"{rel}/{entry.name}")
+    return moved

@@ -9,7 +9,12 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from kareus.core.owned_dir import check_name, owned_dir_holding
 from kareus.errors import KareusError
+
+_TMP_EXTRA = 1 + len(".tmp-") + 7 + 1 + 8
+"""What `write_file_atomic`'s temporary name adds to the name: a dot, ``.tmp-``, a PID
+(at most 7 digits on Linux), a dash and 8 hex digits."""
 
 
 def check_out_file(path: str | Path, *, option: str, force: bool = False,
@@ -17,13 +22,24 @@ def check_out_file(path: str | Path, *, option: str, force: bool = False,
     """``path`` as a file that may be written, or KareusError saying why not.
 
     ``owner``: the result directory whose own file ``path`` is (the caller asks
-    ResultDir.owns); such a file is refused, with ``force`` or not. ``suffix``: the name must
-    end in it (any case). An existing file is refused unless ``force``; a directory always,
-    and so is a file in a directory that is missing or not writable."""
+    ResultDir.owns); such a file is refused, with ``force`` or not, and so is any path
+    inside a directory of Kareus's of any kind (result, import-perseus, compare; through
+    links too): its next run would refuse a file Kareus did not write. ``suffix``: the
+    name must end in it (any case). A name that is not UTF-8 or is too long to write
+    (`kareus.core.owned_dir.check_name`) is refused. An existing file is refused unless
+    ``force``; a directory always, and so is a file in a directory that is missing or not
+    writable."""
     p = Path(path)
+    if not str(p).strip():
+        raise KareusError(f"{option} is empty; name the file")
+    check_name(p, option, f"{p.name}{'x' * _TMP_EXTRA}")
     if owner is not None:
         raise KareusError(f"{option} {p} is a file of the result directory {owner}; write it "
                           f"elsewhere")
+    holding = owned_dir_holding(p)
+    if holding is not None:
+        raise KareusError(f"{option} {p} is inside the {holding[1]} {holding[0]}, which "
+                          f"holds only what Kareus writes; write it elsewhere")
     if suffix is not None and p.suffix.lower() != suffix:
         raise KareusError(f"{option} {p}: the file name must end in {suffix}")
     if p.is_dir():
@@ -36,6 +52,20 @@ def check_out_file(path: str | Path, *, option: str, force: bool = False,
     if not os.access(parent, os.W_OK | os.X_OK):
         raise KareusError(f"cannot write {p}: the directory {parent} is not writable")
     return p
+
+
+def check_distinct(files: dict[str, Path | None]) -> None:
+    """Refuse two options naming the same file (through links and relative spellings
+    alike): the second would overwrite the first's output. ``files``: option -> path."""
+    seen: dict[str, str] = {}
+    for option, path in files.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise KareusError(f"{seen[real]} and {option} name the same file {path}; give "
+                              f"each its own")
+        seen[real] = option
 
 
 def write_file_atomic(path: Path, write: Callable[[Path], None]) -> None:

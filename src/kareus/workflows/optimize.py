@@ -87,6 +87,12 @@ class OptimizeRun:
     lock: Lock | None = None
     """The result directory's lock, taken by `prepare_optimize` once every input was
     checked, released when `run` ends (None on a rank that only measures)."""
+    within: str | None = None
+    """The compare directory whose preset result ``out_dir`` is (`ResultDir` ``within``);
+    None: a directory of its own."""
+
+    def result_dir(self) -> ResultDir:
+        return ResultDir(self.out_dir, within=self.within)
 
     @property
     def left_out_line(self) -> str:
@@ -103,7 +109,7 @@ class OptimizeRun:
             ) -> OptimizeResult | None:
         """Search (or profile), compose, validate, write ``out_dir``; None on a rank that
         only measures."""
-        rd = ResultDir(self.out_dir)
+        rd = self.result_dir()
         if self.measures_only:
             rd.path.mkdir(parents=True, exist_ok=True)
             profile(self.workload, str(rd.journal), self.backend, self.config,
@@ -257,6 +263,23 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
     are left out (`OptimizeRun.left_out`); none left is an error. The last step locks
     the result directory for the run (`ResultDir.lock`: another run holding it is
     refused); `OptimizeRun.run` releases it."""
+    run = check_optimize(job, out_dir, config, backend, executor, methods, force,
+                         measurements, fill_missing, solver, validate_plans)
+    if not run.measures_only:
+        rd = run.result_dir()
+        run.lock = rd.lock(job_id(run.workload.job), force)  # last: a refusal creates nothing
+    return run
+
+
+def check_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
+                   backend: BackendSpec | None = None, executor: ExecutorSpec | None = None,
+                   methods: Sequence[str] | None = None, force: bool = False,
+                   measurements: str | None = None, fill_missing: str | None = None,
+                   solver: str = "lp", validate_plans: int | None = None,
+                   within: str | None = None) -> OptimizeRun:
+    """`prepare_optimize` without the lock: every input checked, nothing created; `run`
+    locks the directory. ``within``: the compare directory ``out_dir`` is a preset result
+    of (`OptimizeRun.within`)."""
     workload = job if isinstance(job, Workload) else Workload.build(job)
     spec = backend or default_spec()
     ex = executor or ExecutorSpec()
@@ -273,15 +296,13 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
         raise SpecError(f"--validate-plans takes 0 or more plans per method, got "
                         f"{validate_plans}")
     run = OptimizeRun(workload, out_dir, config, spec, ex, chosen, left_out, force=force,
-                      solver=solver, validate_plans=validate_plans)
+                      solver=solver, validate_plans=validate_plans, within=within)
     if run.measures_only:
         check_profile(workload, spec, config, with_prior=True)  # profiles with DEFAULT_PRIOR
         return run
     ex.check()
-    rd = ResultDir(out_dir)
-    rd.check_writable(job_id(workload.job), force)
+    run.result_dir().check_writable(job_id(workload.job), force)
     _check_numbers(run, fill_missing)
-    run.lock = rd.lock(job_id(workload.job), force)  # last: a refusal creates nothing
     return run
 
 
