@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kareus.core.atomic import mark
 from kareus.results.resultdir import ResultDir
 from tests.conftest import run_cli
 
@@ -137,6 +138,54 @@ def test_export_force_never_overwrites_the_results_own_files(rd, pid):
         r = run_cli("plan", "export", "--result", str(rd.path), "--plan", pid, "--out",
                     str(own), "--force")
         assert "result directory" in _one_line_error(r) and own.read_bytes() == before
+
+
+@pytest.mark.parametrize("marker", [".kareus-result", ".kareus-import", ".kareus-compare"])
+def test_no_file_is_written_inside_any_kareus_directory(rd, pid, tmp_path, marker):
+    """Its next run would refuse a file Kareus did not write (issue 34, item 4): refused
+    inside a result (the one shown or another), an import, a comparison; through a link."""
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    mark(other, marker)
+    (tmp_path / "link").symlink_to(rd.path)
+    before = sorted(p.name for p in rd.path.iterdir())
+    for inside in (rd.path / "new.png", rd.path / "new.py", other / "x.png",
+                   other / "sub" / "x.png", tmp_path / "link" / "x.png"):
+        err = _one_line_error(_show(rd, pid, "--png", str(inside), "--force"))
+        assert "inside the" in err and not inside.exists(), err
+        r = run_cli("plan", "export", "--result", str(rd.path), "--plan", pid, "--out",
+                    str(inside))
+        assert "inside the" in _one_line_error(r) and not inside.exists()
+    assert sorted(p.name for p in rd.path.iterdir()) == before
+    assert sorted(p.name for p in other.iterdir()) == [marker, "sub"]
+
+
+def test_png_and_power_png_on_one_file_are_refused(rd, pid, tmp_path, monkeypatch):
+    """The second would overwrite the first (issue 34, item 8), however it is spelt."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "a.png").write_bytes(b"mine")
+    (tmp_path / "l.png").symlink_to(tmp_path / "a.png")
+    for png, power in (("a.png", "a.png"), ("a.png", "./d/../a.png"),
+                       ("a.png", str(tmp_path / "a.png")), ("l.png", "a.png")):
+        err = _one_line_error(_show(rd, pid, "--png", png, "--power-png", power, "--force"))
+        assert "same file" in err
+    assert (tmp_path / "a.png").read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "d", "l.png"]
+
+
+@pytest.mark.parametrize("name", ["a" * 240 + ".png", "a" * 251 + ".png",
+                                  "a" * 300 + ".png", os.fsdecode(b"\xff.png")])
+def test_png_names_that_cannot_be_written_are_refused_first(rd, pid, tmp_path, name):
+    """Too long once the temporary name is formed, or not UTF-8 (issue 34, items 6 and
+    8): one line before any work, not a traceback after it."""
+    for option in ("--png", "--power-png"):
+        err = _one_line_error(_show(rd, pid, option, str(tmp_path / name)))
+        assert ("too long" in err or "UTF-8" in err) and "choose" in err, err
+    r = run_cli("plan", "export", "--result", str(rd.path), "--plan", pid, "--out",
+                str(tmp_path / name))
+    assert ("too long" in _one_line_error(r) or "UTF-8" in r.err) and "choose" in r.err
+    assert os.listdir(tmp_path) == []
 
 
 def test_export_into_a_missing_directory(rd, pid, tmp_path):

@@ -235,3 +235,22 @@ def test_refused_commands_create_nothing(tmp_path, monkeypatch):
         r = run_cli(*args)
         assert r.code == 2, (args, r.err)
         assert _tree(tmp_path) == before, args
+
+
+@pytest.mark.parametrize("name", ["r" * 239, "r" * 255, "r" * 300,
+                                  os.fsdecode(b"r\xff"), "d/" * 2100 + "r"])
+def test_out_names_that_would_fail_after_the_work_are_refused_first(tmp_path, monkeypatch,
+                                                                    name):
+    """A last component too long for the temporary name beside it (239-255 bytes passed
+    every check and failed after the run), one too long outright, a whole path too long,
+    a name that is not UTF-8 (issue 34, items 6 and 8): one line, before any work, for
+    every kind of Kareus directory."""
+    monkeypatch.chdir(tmp_path)
+    for args in ((*OPTIMIZE, "--out", name),
+                 ("compare", "--suite", "kareus", "--budget", "20", "--out", name),
+                 ("import-perseus", "nosuch", "--microbatches", "4", "--out", name)):
+        r = run_cli(*args)
+        lines = r.err.strip().splitlines()
+        assert r.code == 2 and len(lines) == 1, (args[0], r.err)
+        assert "too long" in r.err or "UTF-8" in r.err, r.err
+        assert os.listdir(tmp_path) == [], args[0]
