@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kareus.core.atomic import mark
+from kareus.errors import KareusError
 from kareus.job.sources import build_job
 from kareus.results.resultdir import MARKER
 from kareus.workflows import compare
@@ -131,7 +132,7 @@ def test_a_file_that_appears_during_the_run_is_kept(tmp_path, monkeypatch):
         (out / "kareus-1" / "late.txt").write_text("mine")
         return result
     monkeypatch.setattr(OptimizeRun, "run", run)
-    with pytest.raises(Exception, match="late.txt"):
+    with pytest.raises(KareusError, match=r"late\.txt.*the comparison was not written"):
         run_suite("tiny", out, budget=20, workers=1)
     assert (out / "kareus-1" / "late.txt").read_text() == "mine"
 

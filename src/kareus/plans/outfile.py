@@ -9,7 +9,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from kareus.core.owned_dir import check_name, owned_dir_holding
+from kareus.core.names import check_name
+from kareus.core.owned_dir import owned_dir_holding
 from kareus.errors import KareusError
 
 _TMP_EXTRA = 1 + len(".tmp-") + 7 + 1 + 8
@@ -29,9 +30,9 @@ def check_out_file(path: str | Path, *, option: str, force: bool = False,
     (`kareus.core.owned_dir.check_name`) is refused. An existing file is refused unless
     ``force``; a directory always, and so is a file in a directory that is missing or not
     writable."""
-    p = Path(path)
-    if not str(p).strip():
+    if not str(path).strip():  # Path("") would read as the current directory
         raise KareusError(f"{option} is empty; name the file")
+    p = Path(path)
     check_name(p, option, f"{p.name}{'x' * _TMP_EXTRA}")
     if owner is not None:
         raise KareusError(f"{option} {p} is a file of the result directory {owner}; write it "

@@ -1,4 +1,12 @@
-"""`kareus compare`: every preset of a suite through `optimize`, side by side."""
+"""`kareus compare`: every preset of a suite through `optimize`, side by side.
+
+    DIR/compare.json, DIR/compare.md   the comparison
+    DIR/PRESET.png                     each preset's frontiers
+    DIR/PRESET/                        each preset's result directory (its journal: a rerun
+                                       reuses its measurements)
+    DIR/.kareus-compare, DIR/.kareus-compare.lock   the marker, the lock of the run
+
+DIR is Kareus's (`CompareDir`, with the rules of `kareus.core.owned_dir`)."""
 
 from __future__ import annotations
 

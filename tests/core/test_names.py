@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus.core.atomic import TAG_MAX, temp_dir
-from kareus.core.owned_dir import check_name, shown
+from kareus.core.names import check_name, shown
 from kareus.errors import KareusError
 
 
