@@ -89,17 +89,24 @@ def format_number(x: float, digits: int = DIGITS, decimals: int = 0) -> str:
     return f"{x:,.{max(digits - 1 - magnitude, decimals, 0)}f}"
 
 
+def display_unit(value: float, units: dict[str, float]) -> tuple[str, float]:
+    """The largest of ``units`` that ``value`` (in their base unit) is at least one of,
+    the smallest where it is less: (its name, its size in the base unit)."""
+    ordered = sorted(units.items(), key=lambda u: u[1])
+    unit, scale = ordered[0]
+    for name, s in ordered:
+        if abs(value) >= s:
+            unit, scale = name, s
+    return unit, scale
+
+
 def format_quantity(value: float, units: dict[str, float], digits: int = DIGITS,
                     resolution: float | None = None) -> str:
     """``value`` (in the base unit of ``units``) in the largest of ``units`` it is at
     least one of (the smallest where it is less), to ``digits`` significant digits;
     ``resolution`` (base unit): print at least this finely (a limit typed back from a
     table then meets its rounding slack)."""
-    ordered = sorted(units.items(), key=lambda u: u[1])
-    unit, scale = ordered[0]
-    for name, s in ordered:
-        if abs(value) >= s:
-            unit, scale = name, s
+    unit, scale = display_unit(value, units)
     decimals = 0
     if resolution is not None and resolution > 0:
         decimals = max(math.ceil(-math.log10(resolution / scale) - 1e-9), 0)
