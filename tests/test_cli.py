@@ -181,6 +181,19 @@ def test_simulate_breakdown_adds_up(cli):
     assert "pipeline bubbles and waits" in text.out
 
 
+def test_simulate_breakdown_says_why_power_exceeds_the_limit(cli):
+    """Issue 34, item 13: GEMMs at 471 W on a 400 W A100, unexplained."""
+    from kareus.cli.measure import limiter_note
+
+    text = cli("simulate", "-p", "kareus-1", "--breakdown")
+    assert text.code == 0, text.err
+    assert "GEMM and attention average above the 400 W power limit" in text.out
+    assert "averaged exponentially over its time constant" in text.out
+    assert "power limit" not in cli("simulate", "-p", "kareus-1").out
+    under = [{"gemm": {"time_s": 1.0, "energy_j": 399.0}}]
+    assert limiter_note(under, 400.0) is None
+
+
 def test_simulate_megatron_at_its_own_micro_batch_size(cli):
     """Issue 23: MBS 1, one pipeline stage; the Nanobatching baseline refuses it in one
     line naming what it needs and what runs the job."""

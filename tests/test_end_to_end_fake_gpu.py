@@ -118,3 +118,9 @@ def test_optimize_on_the_fake_gpu_profiles_then_composes(tmp_path):
     assert {s["stopped"] for s in result["searches"]} == {"journal"}
     assert set(result["methods"]) >= {"megatron", "kareus"}
     assert (out / "journal.sqlite").is_file() and (out / "report.md").is_file()
+    # the numbers say they are a fake device's: result.json, report.md's headline
+    assert result["numbers"]["fake"] is True and result["numbers"]["backend"] == "fakegpu"
+    report = (out / "report.md").read_text().splitlines()
+    assert report[0].endswith("(fake GPU)")
+    assert report[2].startswith("**Fake GPU: CPU timings and a fake energy counter; not a "
+                                "measurement of any GPU.**")

@@ -105,3 +105,16 @@ def test_an_option_of_another_kind_is_one_clear_error():
                 "--partition", "fwd_mlp", "--freq", "1410", "--sms", "6")
     assert r.code == 2 and "--noise does not apply to the replay backend" in r.err
     assert len(r.err.strip().splitlines()) == 1
+
+
+def test_where_numbers_come_from_is_the_kinds_to_say():
+    """Issue 34, item 12: a result says its numbers are a fake device's, from the
+    backend identity's kind, not from a name compared elsewhere."""
+    fake = registry.numbers_from("fakegpu:A100-40GB")
+    assert fake["fake"] is True and fake["source"] == "fake-gpu"
+    assert "not a measurement of any GPU" in fake["note"]
+    real = registry.numbers_from("nvml:H100-SXM:limit=500W")
+    assert real["fake"] is False and real["source"] == "gpu"
+    emu = registry.numbers_from("emulator:A100-40GB:noise=0.0:params=abc")
+    assert emu["fake"] is False and emu["source"] == "emulator"
+    assert registry.numbers_from("someone-elses:x")["source"] == "unknown"

@@ -292,7 +292,9 @@ def test_plan_list(rd):
     only = run_cli("plan", "list", "--result", str(rd.path), "--method", "Perseus", "--json")
     assert {p["method"] for p in only.json()["plans"]} == {"perseus"}
     text = run_cli("plan", "list", "--result", str(rd.path))
-    assert text.code == 0 and "energy kJ" in text.out and "time s" in text.out
+    assert text.code == 0 and "energy" in text.out and "time" in text.out
+    # each number with its unit, by magnitude (issue 34, item 13)
+    assert re.search(r"\d \S*J\b", text.out) and re.search(r"\d (ms|s)\b", text.out)
     assert all(p["id"] in text.out for p in plans)
     bad = run_cli("plan", "list", "--result", str(rd.path), "--method", "zeus")
     assert "no method" in _one_line_error(bad)

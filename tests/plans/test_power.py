@@ -352,7 +352,7 @@ def test_plan_show_png_has_the_power_panel_below_the_timeline(result, kareus, tm
     import matplotlib.image
 
     from kareus.plans.plan import Plan
-    from kareus.results.report import timeline_figure
+    from kareus.results.timeline import timeline_figure
 
     out, _doc = result
     png = tmp_path / "timeline.png"

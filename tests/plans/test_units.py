@@ -67,3 +67,62 @@ def test_the_energy_and_time_units():
     assert parse_time_s("2500ms") == pytest.approx(2.5) == parse_time_s("2.5s")
     with pytest.raises(KareusError, match="unknown unit 'mJ'"):
         parse_energy_j("5mJ")  # case matters: mJ is not MJ
+
+
+# Printing: one formatter by magnitude (issue 34, item 13) --------------------------------
+
+from kareus.plans.units import (  # noqa: E402
+    DURATION_DISPLAY,
+    ENERGY_DISPLAY,
+    RUN_ENERGY_DISPLAY,
+    TIME_DISPLAY,
+    format_energy_j,
+    format_money,
+    format_number,
+    format_quantity,
+    format_run_energy_j,
+    format_time_s,
+)
+
+MAGNITUDE = st.floats(min_value=1e-12, max_value=1e15, allow_nan=False, allow_infinity=False)
+FAMILIES = st.sampled_from([TIME_DISPLAY, DURATION_DISPLAY, ENERGY_DISPLAY, RUN_ENERGY_DISPLAY])
+
+
+def _read_back(text, units):
+    number, unit = text.rsplit(" ", 1)
+    return float(number.replace(",", "")) * units[unit]
+
+
+@given(MAGNITUDE, FAMILIES)
+def test_any_positive_magnitude_prints_short_with_its_digits(x, units):
+    text = format_quantity(x, units)
+    number = text.rsplit(" ", 1)[0]
+    assert len(number) <= 12, text
+    assert any(c in "123456789" for c in number.split("e")[0]), text  # never "0.00"
+    # four significant digits: read back within half a unit of the fourth
+    assert _read_back(text, units) == pytest.approx(x, rel=5e-4)
+
+
+@given(MAGNITUDE, FAMILIES)
+def test_the_unit_is_the_largest_the_magnitude_reaches(x, units):
+    unit = format_quantity(x, units).rsplit(" ", 1)[1]
+    smallest = min(units.values())
+    assert units[unit] <= max(x, smallest)
+    assert not any(units[unit] < s <= x for s in units.values())
+
+
+def test_the_issues_numbers():
+    # a tiny job's methods no longer all print "0.010 s, 0.01 kJ"; no "0.00 MWh"
+    assert format_time_s(0.0102) == "10.20 ms" and format_time_s(0.0104) == "10.40 ms"
+    assert format_energy_j(10.47) == "10.47 J" and format_energy_j(20910.0) == "20.91 kJ"
+    assert format_run_energy_j(20910.0 * 10) == "58.08 Wh"
+    assert format_money(0.0123, "USD") == "0.01230 USD"
+    assert format_money(1234567.8, "EUR") == "1,234,568 EUR"
+    assert format_number(0.0) == "0"
+
+
+@given(st.floats(min_value=1e-3, max_value=1e4, allow_nan=False))
+def test_a_resolution_prints_at_least_that_finely(s):
+    # a time typed back from a table meets its deadline within the 0.5 ms rounding slack
+    text = format_time_s(s, resolution=1e-3)
+    assert abs(_read_back(text, TIME_DISPLAY) - s) <= 0.5e-3 + 1e-12

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from kareus.backends.base import Backend
-from kareus.backends.registry import Agree, BackendSpec, Capabilities
+from kareus.backends.registry import Agree, BackendSpec, Capabilities, Provenance
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.gpu.clock_guard import ClockGuard
@@ -258,6 +258,8 @@ class NvmlSpec(BackendSpec):
     kind: ClassVar[str] = "nvml"
     capabilities: ClassVar[Capabilities] = Capabilities(
         real_gpu=True, process_per_gpu=True, profiles_first=True)
+    provenance: ClassVar[Provenance] = Provenance(
+        "gpu", "measured on GPUs: their timings and NVML energy counters")
     allow_clock_changes: bool = False
     """Kareus may lock SM clocks (always reset on exit)."""
     power_limit_w: float | None = None
@@ -345,6 +347,9 @@ class FakeGpuSpec(NvmlSpec):
     kind: ClassVar[str] = "fakegpu"
     capabilities: ClassVar[Capabilities] = Capabilities(
         process_per_gpu=True, profiles_first=True)
+    provenance: ClassVar[Provenance] = Provenance(
+        "fake-gpu", "fake GPU: CPU timings and a fake energy counter; not a measurement of "
+                    "any GPU")
 
     def _default_device(self) -> str:
         return "cpu"

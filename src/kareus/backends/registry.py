@@ -48,12 +48,31 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """Where a backend kind's numbers come from, as a result states it (result.json's
+    ``numbers``, report.md's headline, the CLI summary)."""
+
+    source: str
+    """"gpu" (measured on a GPU), "emulator" (modelled, no GPU) or "fake-gpu" (real
+    kernels timed on the CPU, energy from a fake device's counter)."""
+    note: str
+    """One plain sentence a reader of the numbers must see."""
+
+    @property
+    def fake(self) -> bool:
+        """Numbers of a stand-in device: no measurement of any GPU, nor a model of one."""
+        return self.source == "fake-gpu"
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     """Where measurements come from and how they are taken. Subclasses add their own
     options and set ``kind`` and ``capabilities``."""
 
     kind: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
+    provenance: ClassVar[Provenance] = Provenance(
+        "unknown", "numbers of a backend that does not say where they come from")
     seed: int = 0
     """Seed of everything random this backend does (and of the search)."""
     protocol: MeasurementProtocol | None = None
@@ -150,6 +169,16 @@ def backend_kind(name: str) -> type[BackendSpec]:
     if name not in kinds:
         raise SpecError(f"unknown backend {name!r}; available: {', '.join(kinds)}")
     return kinds[name]
+
+
+def numbers_from(identity: str) -> dict[str, Any]:
+    """Where the numbers of a backend come from, from its identity (``<kind>:...``, as
+    journals record it): ``{"backend", "source", "fake", "note"}``, the block result.json
+    carries. The one place an identity is read for it."""
+    kind = identity.split(":", 1)[0]
+    spec = _builtin().get(kind)
+    prov = spec.provenance if spec is not None else BackendSpec.provenance
+    return {"backend": kind, "source": prov.source, "fake": prov.fake, "note": prov.note}
 
 
 def cost_model_kinds() -> tuple[str, ...]:

@@ -155,6 +155,9 @@ def simulate(
     console.print(t)
     if breakdown:
         _print_breakdown(r.breakdown(), r.time_s, row)
+        note = limiter_note(r.breakdown(), job.gpu_spec.tdp_w)
+        if note:
+            console.print(note, soft_wrap=True, markup=False, highlight=False)
 
 
 BREAKDOWN_LABELS = {
@@ -163,6 +166,23 @@ BREAKDOWN_LABELS = {
     "transfers": "pipeline transfers (sending)",
     "iteration_end": "data-parallel sync, optimizer step",
     "pipeline_wait": "pipeline bubbles and waits"}
+
+
+def limiter_note(rows: list[dict[str, dict[str, float]]], limit_w: float) -> str | None:
+    """Why a class's mean power can exceed the GPU's power limit, where one does: the
+    emulator's limiter (kareus.backends.emulator.limiter) holds power averaged over its
+    time constant, not each kernel's; None where no class exceeds the limit."""
+    over = sorted({BREAKDOWN_LABELS[c] for row in rows for c, v in row.items()
+                   if v["time_s"] > 0 and v["energy_j"] / v["time_s"] > limit_w})
+    if not over:
+        return None
+    return (f"{' and '.join(over)} average above the {limit_w:g} W power limit: the "
+            f"limiter, like a board's, acts on power averaged exponentially over its time "
+            f"constant (10 ms by default; one clock step per fifth of it), not on each "
+            f"kernel: bursts shorter than that pass, and kernels between lower-power ones "
+            f"(memory-bound, exposed collectives) run above the limit while the average "
+            f"stays near it. Hidden collectives' power is in their kernel's row. "
+            f"docs/emulator.md, \"Power\".")
 
 
 def _print_breakdown(rows: list[dict[str, dict[str, float]]], time_s: float,

@@ -11,6 +11,7 @@ from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import ISO_REFERENCE, display_name
+from kareus.plans.units import format_energy_j, format_time_s
 from kareus.results.result import OptimizeResult
 from kareus.search.loop import SearchConfig
 from kareus.workflows.compare import prepare_suite
@@ -76,17 +77,26 @@ def optimize(
 
 def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
     ref = display_name(ISO_REFERENCE)
-    t = table(f"Frontiers of {job.describe()}",
-              ("method", "plans", "fastest s", "its kJ", "least kJ", "its s",
+    fake = " (fake GPU)" if result.fake else ""
+    t = table(f"Frontiers of {job.describe()}{fake}",
+              ("method", "plans", "fastest", "its energy", "least energy", "its time",
                f"iso-time E vs {ref}", f"iso-energy T vs {ref}"), left=("method",))
     for method, plans in result.plans.items():
         fast = min(plans, key=lambda p: p.time_s)
         low = min(plans, key=lambda p: p.energy_j)
         m = result.metrics.get(method, {})
-        t.add_row(display_name(method), str(len(plans)), f"{fast.time_s:.3f}",
-                  f"{fast.energy_j / 1e3:.2f}", f"{low.energy_j / 1e3:.2f}",
-                  f"{low.time_s:.3f}", pct(m.get("iso_time_energy_reduction")),
+        t.add_row(display_name(method), str(len(plans)), format_time_s(fast.time_s),
+                  format_energy_j(fast.energy_j), format_energy_j(low.energy_j),
+                  format_time_s(low.time_s), pct(m.get("iso_time_energy_reduction")),
                   pct(m.get("iso_energy_time_reduction")))
+    if result.numbers:
+        # where the numbers come from, before them; a fake device's, in bold red
+        note = result.numbers["note"]
+        if result.fake:
+            console.print(note, style="bold red", soft_wrap=True, markup=False,
+                          highlight=False)
+        else:
+            console.print(f"numbers: {note}", soft_wrap=True, markup=False, highlight=False)
     console.print(t)
     console.print(f"iso-time E: energy saved at the time of {ref}'s fastest plan; iso-energy "
                   f"T: time saved at the energy of {ref}'s least-energy plan; n/a: no plan of "

@@ -25,11 +25,17 @@ from kareus.plans.plan import (
     select,
 )
 from kareus.plans.power import trace_of, under_cap
-from kareus.plans.run_cost import RunCost, iterations_of
-from kareus.plans.units import parse_energy_j, parse_time_s
+from kareus.plans.run_cost import DEFAULT_CURRENCY, RunCost, iterations_of
+from kareus.plans.units import (
+    format_energy_j,
+    format_power_w,
+    format_time_s,
+    parse_energy_j,
+    parse_time_s,
+)
 from kareus.results.power_figure import power_figure, power_panel
-from kareus.results.report import timeline_figure
 from kareus.results.resultdir import ResultDir
+from kareus.results.timeline import clock_scale_mhz, timeline_figure
 
 plan_app = typer.Typer(help="Choose, list, show or export the plans of a result.")
 app.add_typer(plan_app, name="plan")
@@ -42,11 +48,24 @@ _DEADLINE_SLACK = f"{DEADLINE_TOLERANCE_S * 1e3:g} ms"
 _ENERGY_SLACK = f"{ENERGY_TOLERANCE_J:g} J"
 DEADLINE_HELP = (f"Iteration time limit: seconds, or with a unit (2.5s, 2500ms). Rounding "
                  f"slack: a plan up to {_DEADLINE_SLACK} slower still meets it (tables print "
-                 f"times with 3 decimals); the output says when the plan uses it.")
+                 f"times to 1 ms or finer); the output says when the plan uses it.")
 ENERGY_HELP = (f"Iteration energy limit: joules, or with a unit (15.12kJ, 15120J, 15120; also "
                f"MJ, Wh, kWh). Rounding slack: a plan using up to {_ENERGY_SLACK} more still "
-               f"meets it (tables print kJ with 2 decimals); the output says when the plan "
-               f"uses it.")
+               f"meets it (tables print energies to 10 J or finer, e.g. kJ with 2 decimals); "
+               f"the output says when the plan uses it.")
+TIME_RESOLUTION_S = 2 * DEADLINE_TOLERANCE_S
+"""Tables print times at least this finely: a time typed back from one, rounded by at
+most half of it, meets its deadline within the rounding slack."""
+ENERGY_RESOLUTION_J = 2 * ENERGY_TOLERANCE_J
+"""The same for energies and the energy budget's slack."""
+
+
+def _time(s: float) -> str:
+    return format_time_s(s, resolution=TIME_RESOLUTION_S)
+
+
+def _energy(j: float) -> str:
+    return format_energy_j(j, resolution=ENERGY_RESOLUTION_J)
 
 
 @plan_app.callback(invoke_without_command=True)
@@ -75,7 +94,10 @@ def plan(
     train_tokens: Annotated[Optional[float], typer.Option(
         "--train-tokens", help="The same, for a run over this many tokens.")] = None,
     price_per_kwh: Annotated[Optional[float], typer.Option(
-        "--price-per-kwh", help="Electricity price per kWh, for the run's cost.")] = None,
+        "--price-per-kwh", help="Electricity price per kWh in --currency, for the run's "
+        "cost.")] = None,
+    currency: Annotated[str, typer.Option("--currency", help="What --price-per-kwh is in, "
+        "named on the cost (USD, EUR, ...; nothing is converted).")] = DEFAULT_CURRENCY,
     grid_g_co2_per_kwh: Annotated[Optional[float], typer.Option(
         "--grid-g-co2-per-kwh", help="Grid carbon intensity, for the run's emissions.")
     ] = None,
@@ -103,7 +125,7 @@ def plan(
     over = over_limit(point, objective, value)
     asked = (iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh)
     run = (None if all(v is None for v in asked) else _run_cost(
-        rd, p, job, iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh))
+        rd, p, job, iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh, currency))
     if json_out:
         print_json({**p.to_dict(), "path": str(path), "objective": objective,
                     "limit": value, "rounding_slack": rounding_slack(objective),
@@ -114,12 +136,12 @@ def plan(
         p.execution.default_freq_mhz]
     console.print(f"[bold]{p.id}[/bold] ({method}, {objective}"
                   f"{'' if value is None else ' ' + _limit(objective, value)}): iteration "
-                  f"{p.time_s:.4f} s, {p.energy_j / 1e3:.3f} kJ; clocks "
+                  f"{_time(p.time_s)}, {_energy(p.energy_j)}; clocks "
                   f"{freqs[0]}..{freqs[-1]} MHz; {path}")
     if p.power is not None:
         peak = trace_of(p.timeline, p.time_s, p.power).peak_w(power_window_s)
-        console.print(f"cluster power: mean {p.power.mean_w / 1e3:.2f} kW, peak "
-                      f"{peak / 1e3:.2f} kW over {power_window_s:g} s"
+        console.print(f"cluster power: mean {format_power_w(p.power.mean_w)}, peak "
+                      f"{format_power_w(peak)} over {power_window_s:g} s"
                       + (" (under the cap)" if capped else ""))
     if run is not None:
         console.print(run.line())
@@ -164,16 +186,25 @@ def _objective(result: str, max_throughput: bool, min_energy: bool,
 
 def _run_cost(rd: ResultDir, p: Plan, job: dict[str, Any], iterations: Optional[int],
               train_tokens: Optional[float], price_per_kwh: Optional[float],
-              g_co2_per_kwh: Optional[float]) -> RunCost:
+              g_co2_per_kwh: Optional[float], currency: str = DEFAULT_CURRENCY) -> RunCost:
     """The training run with plan ``p`` against Megatron-LM's plan (its one clock: the
     highest) over as many iterations."""
     if iterations is None and train_tokens is None:
         raise KareusError("--price-per-kwh and --grid-g-co2-per-kwh need --iterations or "
                           "--train-tokens")
-    n = iterations_of(JobSpec.model_validate(job), iterations, train_tokens)
+    n = iterations_of(_job_spec(rd, job), iterations, train_tokens)
     ref = select(rd.frontier("megatron"), "max-throughput")
     return RunCost.of(n, p.time_s, p.energy_j, float(ref["time_s"]),
-                      float(ref["energy_j"]), price_per_kwh, g_co2_per_kwh)
+                      float(ref["energy_j"]), price_per_kwh, g_co2_per_kwh, currency)
+
+
+def _job_spec(rd: ResultDir, job: dict[str, Any]) -> JobSpec:
+    """The job a plan is for, as the result recorded it; one line where it is not one."""
+    try:
+        return JobSpec.model_validate(job)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise KareusError(f"{rd.result_file}: its job is not a valid job "
+                          f"({str(exc).splitlines()[0]}); rerun `kareus optimize`") from None
 
 
 def _under_cap(rd: ResultDir, frontier: list[dict[str, Any]], cap_kw: Optional[float],
@@ -235,8 +266,8 @@ def plan_list(
         "--method", help="Only this method's plans (name, display name or alias).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Every plan of a result: id, method, iteration time (s) and energy (kJ); per method
-    the fastest first."""
+    """Every plan of a result: id, method, iteration time and energy (each in the unit its
+    magnitude calls for); per method the fastest first."""
     rd = ResultDir(result)
     methods = [_method_name(method)] if method is not None else _methods(rd)
     rows = [{"id": pt["plan"], "method": m, "time_s": pt["time_s"], "energy_j": pt["energy_j"]}
@@ -245,10 +276,10 @@ def plan_list(
     if json_out:
         print_json({"result": result, "plans": rows})
         return
-    t = table(f"Plans of {result}", ("id", "method", "time s", "energy kJ"),
+    t = table(f"Plans of {result}", ("id", "method", "time", "energy"),
               left=("id", "method"))
     for r in rows:
-        t.add_row(r["id"], r["method"], f"{r['time_s']:.4f}", f"{r['energy_j'] / 1e3:.3f}")
+        t.add_row(r["id"], r["method"], _time(r["time_s"]), _energy(r["energy_j"]))
     console.print(t)
     console.print(f"`kareus plan show --result {shlex.quote(result)} --plan ID` shows one")
 
@@ -313,26 +344,27 @@ def plan_show(
         raise KareusError(f"--power-cap-kw must be positive, got {power_cap_kw:g}")
     p, job = _read_plan(rd, result, plan_id)
     rows = settings_by_clock(p)
+    spec = _job_spec(rd, job)
+    title = spec.describe()  # the whole job, as the result's own figures
     if power_out is not None:
-        power_figure(p, power_out, str(job.get("model", {}).get("name", "")),
-                     power_window_s, None if power_cap_kw is None else power_cap_kw * 1e3)
+        power_figure(p, power_out, title, power_window_s,
+                     None if power_cap_kw is None else power_cap_kw * 1e3)
     if out is not None:
-        title = str(job.get("model", {}).get("name", ""))
-        pp = job.get("pp")  # rows are ranks: virtual stages (interleaved 1F1B) share one
         # below the timeline, the plan's power over time (plans written before power was
-        # recorded have the timeline alone)
+        # recorded have the timeline alone); rows are ranks: virtual stages (interleaved
+        # 1F1B) share one; one clock colour scale per GPU, as the result's timelines
         panel = (power_panel(p, title, power_window_s, None if power_cap_kw is None
                              else power_cap_kw * 1e3)[1] if p.power is not None else None)
         write_file_atomic(out, lambda tmp: timeline_figure(
-            p, tmp, title, pp=pp if isinstance(pp, int) and pp > 0 else None, panel=panel))
+            p, tmp, title, clocks_mhz=clock_scale_mhz(spec), pp=spec.pp, panel=panel))
     if json_out:
         print_json({**p.summary(), "settings": rows, "png": None if out is None else str(out),
                     "power_png": None if power_out is None else str(power_out)})
         return
     ex = p.execution
     freqs = sorted(set(ex.instruction_freqs.values())) or [ex.default_freq_mhz]
-    console.print(f"[bold]{p.id}[/bold] ({p.method}): iteration {p.time_s:.4f} s, "
-                  f"{p.energy_j / 1e3:.3f} kJ; clocks {freqs[0]}..{freqs[-1]} MHz; "
+    console.print(f"[bold]{p.id}[/bold] ({p.method}): iteration {_time(p.time_s)}, "
+                  f"{_energy(p.energy_j)}; clocks {freqs[0]}..{freqs[-1]} MHz; "
                   f"{len(ex.sequential)} instructions without overlap")
     t = table("Partition settings per clock", ("partition", "MHz", "SMs", "slot",
                                                 "instructions"), left=("partition", "slot"))

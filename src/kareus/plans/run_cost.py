@@ -12,8 +12,15 @@ from typing import Any
 
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
+from kareus.plans.units import (
+    format_duration_s,
+    format_mass_t,
+    format_money,
+    format_run_energy_j,
+)
 
 J_PER_MWH = 3.6e9
+DEFAULT_CURRENCY = "USD"
 
 
 def iterations_of(job: JobSpec, iterations: int | None, train_tokens: float | None) -> int:
@@ -40,18 +47,25 @@ class RunCost:
     reference_energy_mwh: float
     price_per_kwh: float | None = None
     g_co2_per_kwh: float | None = None
+    currency: str = DEFAULT_CURRENCY
+    """What --price-per-kwh is in (the cost's unit)."""
 
     @classmethod
     def of(cls, iterations: int, time_s: float, energy_j: float, ref_time_s: float,
            ref_energy_j: float, price_per_kwh: float | None = None,
-           g_co2_per_kwh: float | None = None) -> RunCost:
+           g_co2_per_kwh: float | None = None, currency: str = DEFAULT_CURRENCY
+           ) -> RunCost:
+        if not (0 < len(currency) <= 8 and currency.isprintable()
+                and not any(c.isspace() for c in currency)):
+            raise SpecError(f"--currency must be a short name such as USD or EUR (1 to 8 "
+                            f"characters, no spaces), got {currency!r}")
         for name, v in (("--price-per-kwh", price_per_kwh),
                         ("--grid-g-co2-per-kwh", g_co2_per_kwh)):
             if v is not None and not (v >= 0 and math.isfinite(v)):
                 raise SpecError(f"{name} must be a number >= 0, got {v:g}")
         return cls(iterations, iterations * time_s, iterations * energy_j / J_PER_MWH,
                    iterations * ref_time_s, iterations * ref_energy_j / J_PER_MWH,
-                   price_per_kwh, g_co2_per_kwh)
+                   price_per_kwh, g_co2_per_kwh, currency)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -60,7 +74,7 @@ class RunCost:
             "megatron_energy_mwh": self.reference_energy_mwh,
             "energy_saved_mwh": self.reference_energy_mwh - self.energy_mwh}
         if self.price_per_kwh is not None:
-            d |= {"price_per_kwh": self.price_per_kwh,
+            d |= {"price_per_kwh": self.price_per_kwh, "currency": self.currency,
                   "cost": self.energy_mwh * 1e3 * self.price_per_kwh,
                   "megatron_cost": self.reference_energy_mwh * 1e3 * self.price_per_kwh,
                   "cost_saved": (self.reference_energy_mwh - self.energy_mwh) * 1e3
@@ -72,12 +86,16 @@ class RunCost:
         return d
 
     def line(self) -> str:
+        """One line, each number in the unit its magnitude calls for (kareus.plans.units)."""
         d = self.to_dict()
-        out = (f"training run: {self.iterations:,} iterations, {self.time_s / 3600:,.1f} h, "
-               f"{self.energy_mwh:,.2f} MWh of GPU energy; Megatron-LM at max clock "
-               f"{self.reference_time_s / 3600:,.1f} h, {self.reference_energy_mwh:,.2f} MWh")
+        out = (f"training run: {self.iterations:,} iterations, {format_duration_s(self.time_s)}, "
+               f"{format_run_energy_j(self.energy_mwh * J_PER_MWH)} of GPU energy; "
+               f"Megatron-LM at max clock {format_duration_s(self.reference_time_s)}, "
+               f"{format_run_energy_j(self.reference_energy_mwh * J_PER_MWH)}")
         if self.price_per_kwh is not None:
-            out += f"; cost {d['cost']:,.0f} against {d['megatron_cost']:,.0f}"
+            out += (f"; cost {format_money(d['cost'], self.currency)} against "
+                    f"{format_money(d['megatron_cost'], self.currency)}")
         if self.g_co2_per_kwh is not None:
-            out += f"; {d['co2_t']:,.1f} t CO2 against {d['megatron_co2_t']:,.1f}"
+            out += (f"; {format_mass_t(d['co2_t'])} CO2 against "
+                    f"{format_mass_t(d['megatron_co2_t'])}")
         return out

@@ -15,6 +15,13 @@ from kareus.plans.plan import Plan, TimelineEntry
 from kareus.plans.power import DEFAULT_WINDOW_S, PowerTrace, trace_of
 
 
+def row_name(stages: int, ranks: int) -> str:
+    """What a row of a plan's figures is called: "stage" where every pipeline rank holds
+    one stage, "rank" where ranks hold several (interleaved 1F1B's virtual stages). The
+    timeline and the power panel below it name their rows alike."""
+    return "rank" if stages > ranks else "stage"
+
+
 def rank_traces(plan: Plan) -> list[PowerTrace]:
     """Each pipeline rank's power: its GPUs' static power and its bars' dynamic power (a
     bar of virtual stage s runs on rank s % pp); together they make the plan's trace."""
@@ -61,6 +68,7 @@ def power_panel(plan: Plan, title: str, window_s: float = DEFAULT_WINDOW_S,
     (the timeline of `kareus plan show --png`)."""
     ranks = rank_traces(plan)
     assert plan.power is not None  # rank_traces checked
+    row = row_name(1 + max((e.stage for e in plan.timeline), default=0), plan.power.pp)
     total = trace_of(plan.timeline, plan.time_s, plan.power)
     peak = total.peak_w(window_s)  # SpecError for a window that is not positive
     t_end = plan.time_s
@@ -82,7 +90,7 @@ def power_panel(plan: Plan, title: str, window_s: float = DEFAULT_WINDOW_S,
 
         cmap = colormaps["tab20" if len(ranks) > 10 else "tab10"]
         ax.stackplot(x, *ys, step="post", colors=[cmap(i % cmap.N) for i in range(len(ys))],
-                     labels=[f"rank {i}" for i in range(len(ys))], alpha=0.75)
+                     labels=[f"{row} {i}" for i in range(len(ys))], alpha=0.75)
         ax.step(x, line, where="post", color="black", linewidth=1.0,
                 label="cluster total")
         ax.plot(t, avg, "--", color="#333333", linewidth=1.4,

@@ -3,53 +3,98 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, all_methods, display_name
 from kareus.plans.plan import Plan
+from kareus.plans.units import (
+    ENERGY_DISPLAY,
+    TIME_DISPLAY,
+    display_unit,
+    format_energy_j,
+    format_number,
+    format_power_w,
+    format_time_s,
+)
 from kareus.results.result import OptimizeResult, highlighted_method
+
+POWER_LIMITED = "Megatron-LM under a power limit, simulated"
+"""The frontier figure's series of the power-limited Megatron-LM runs: whole iterations
+simulated by the emulator, where every method's frontier (Megatron-LM's point included) is
+composed from partition measurements; its 100% point is Megatron-LM's plan simulated, so it
+sits off the composed Megatron-LM point by the composition error (report.md says by how
+much)."""
+def figure_title(result: OptimizeResult) -> str:
+    """The job, and for numbers of a fake device, that they are (a figure travels alone)."""
+    fake = f"\n{result.numbers['note']}" if result.fake and result.numbers else ""
+    return result.job.describe() + fake
 
 
 def frontier_figure(frontiers: dict[str, list[tuple[float, float]]], path: Path,
                     title: str) -> list[str]:
     """One plot: iteration time (x) against iteration energy (y), one line per method.
     The PNG's Description metadata lists the methods drawn; returns their names."""
+    import matplotlib.pyplot as plt
+
+    fig, drawn = frontier_axes(frontiers, title)
+    meta = {"Description": "methods: " + ", ".join(display_name(m) for m in drawn)}
+    fig.savefig(path, metadata=meta if str(path).endswith(".png") else None)
+    plt.close(fig)
+    return drawn
+
+
+def frontier_axes(frontiers: dict[str, list[tuple[float, float]]], title: str
+                  ) -> tuple[Any, list[str]]:
+    """The frontier figure, drawn (the caller closes it), and the series drawn: the
+    legend outside the axes, right of them, so that it covers no point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = {m.name: m for m in all_methods()}
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120, layout="constrained")
+    # the axes' units by the largest point (a tiny job's ms and J, not 0.010 s, 0.01 kJ)
+    every = [p for pts in frontiers.values() for p in pts] or [(1.0, 1.0)]
+    t_unit, t_scale = display_unit(max(t for t, _ in every), TIME_DISPLAY)
+    e_unit, e_scale = display_unit(max(e for _, e in every), ENERGY_DISPLAY)
     drawn: list[str] = []
     for method, pts in frontiers.items():
         if not pts:
             continue
         rec = records.get(method)
-        xs = [t for t, _ in sorted(pts)]
-        ys = [e / 1e3 for _, e in sorted(pts)]
+        xs = [t / t_scale for t, _ in sorted(pts)]
+        ys = [e / e_scale for _, e in sorted(pts)]
         single = len(pts) == 1
         # a series that is no method of the registry (the power-limited Megatron-LM
         # runs): dashed, in a colour no method uses
         ax.plot(xs, ys, linestyle="none" if single else ("-" if rec else "--"),
                 marker=rec.marker if rec else "x", markersize=9 if single else 4,
-                color=rec.color if rec else "#8c564b", label=display_name(method),
+                color=rec.color if rec else "#8c564b", label=_label(method, frontiers),
                 alpha=0.9)
         drawn.append(method)
-    ax.set_xlabel("iteration time (s)")
-    ax.set_ylabel("iteration energy, all GPUs (kJ)")
+    ax.set_xlabel(f"iteration time ({t_unit})")
+    ax.set_ylabel(f"iteration energy, all GPUs ({e_unit})")
     ax.set_title(f"Time-energy frontiers\n{title}", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    ax.annotate("better: faster and less energy", xy=(0.02, 0.03), xycoords="axes fraction",
-                fontsize=8, color="#555555")
-    fig.tight_layout()
-    meta = {"Description": "methods: " + ", ".join(display_name(m) for m in drawn)}
-    fig.savefig(path, metadata=meta if str(path).endswith(".png") else None)
-    plt.close(fig)
-    return drawn
+    # beside the axes, like the note on which way is better: neither covers a point
+    fig.legend(fontsize=8, loc="outside right upper", title="better: faster and less energy",
+               title_fontsize=8)
+    return fig, drawn
+
+
+def _label(method: str, frontiers: dict[str, list[tuple[float, float]]]) -> str:
+    """A series' legend entry; where Megatron-LM at max clock is drawn twice (composed, and
+    simulated at 100% of TDP), each says which it is."""
+    if not (frontiers.get(POWER_LIMITED) and frontiers.get("megatron")):
+        return display_name(method)
+    if method == "megatron":
+        return f"{display_name(method)} (composed, as every method)"
+    if method == POWER_LIMITED:
+        return (f"{POWER_LIMITED}\n(whole iterations, 100% of TDP first: off\nthe composed "
+                f"point by the composition error)")
+    return display_name(method)
 
 
 def figure_frontiers(result: OptimizeResult) -> dict[str, list[tuple[float, float]]]:
@@ -58,7 +103,7 @@ def figure_frontiers(result: OptimizeResult) -> dict[str, list[tuple[float, floa
     fronts = result.frontier_points()
     if not result.power_limited:
         return fronts
-    return {**fronts, "Megatron-LM, power-limited": sorted(
+    return {**fronts, POWER_LIMITED: sorted(
         (r["time_s"], r["energy_j"]) for r in result.power_limited)}
 
 
@@ -82,17 +127,18 @@ def metrics_table(metrics: dict[str, dict[str, float | None]]) -> list[str]:
 
 def markdown_report(result: OptimizeResult, out: Path) -> str:
     job = result.job
-    lines = [f"# Kareus plans for {job.describe()}", "", headline(result), "",
+    fake = " (fake GPU)" if result.fake else ""
+    lines = [f"# Kareus plans for {job.describe()}{fake}", "", headline(result), "",
              *_left_out_lines(result.left_out),
              *_sources_lines(result.sources), "## What was searched", "",
              *_searches_lines(result)]
     lines += ["## Frontiers", "", "![frontiers](frontier.png)", "",
-              "| method | plans | fastest (s, kJ) | least energy (s, kJ) |", "|---|---|---|---|"]
+              "| method | plans | fastest: time, energy | least energy: time, energy |",
+              "|---|---|---|---|"]
     for method, plans in result.plans.items():
         fast = min(plans, key=lambda p: p.time_s)
         low = min(plans, key=lambda p: p.energy_j)
-        lines.append(f"| {display_name(method)} | {len(plans)} | {fast.time_s:.3f}, "
-                     f"{fast.energy_j / 1e3:.2f} | {low.time_s:.3f}, {low.energy_j / 1e3:.2f} |")
+        lines.append(f"| {display_name(method)} | {len(plans)} | {_te(fast)} | {_te(low)} |")
     shown = display_name(highlighted_method(result))
     lines += ["", f"![fastest {shown} plan](timeline-max-throughput.png)",
               f"![least-energy {shown} plan](timeline-min-energy.png)", "",
@@ -117,6 +163,10 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _te(p: Plan) -> str:
+    return f"{format_time_s(p.time_s)}, {format_energy_j(p.energy_j)}"
+
+
 def _power_lines(result: OptimizeResult) -> list[str]:
     """Cluster power of each method's fastest and least-energy plans (kareus.plans.power)."""
     rows = []
@@ -124,25 +174,45 @@ def _power_lines(result: OptimizeResult) -> list[str]:
         ends = [min(plans, key=lambda p: p.time_s), min(plans, key=lambda p: p.energy_j)]
         if any(p.power is None for p in ends):
             continue
-        cells = [f"{p.power.mean_w / 1e3:.2f} / {p.power.peak_w / 1e3:.2f}"
+        cells = [f"{format_power_w(p.power.mean_w)} / {format_power_w(p.power.peak_w)}"
                  for p in ends if p.power is not None]
         rows.append(f"| {display_name(method)} | {cells[0]} | {cells[1]} |")
     if not rows:
         return []
     window = next(p.power.window_s for ps in result.plans.values() for p in ps
                   if p.power is not None)
-    limited = [f"{r['limit_fraction']:.0%}: {r['time_s']:.3f} s, "
-               f"{r['mean_power_w'] / 1e3:.2f} kW" for r in result.power_limited or []]
+    limited = [f"{r['limit_fraction']:.0%}: {format_time_s(r['time_s'])}, "
+               f"{format_energy_j(r['energy_j'])}, {format_power_w(r['mean_power_w'])}"
+               for r in result.power_limited or []]
     return ["## Power", "",
             f"Cluster power over the iteration, mean / peak of the {window:g} s moving "
-            f"average, kW, from each plan's composed timeline (static power on every GPU, "
+            f"average, from each plan's composed timeline (static power on every GPU, "
             f"each bar at its mean dynamic power; iterations back to back); the timelines "
             f"above show the power over time below each plan's schedule. "
             f"`kareus plan --power-cap-kw KW` picks among the plans under a cap.", "",
             "| method | fastest plan | least-energy plan |", "|---|---|---|", *rows, "",
-            *([f"Megatron-LM at max clock under a GPU power limit (of TDP; time, mean "
-               f"power; simulated): {'; '.join(limited)}.", ""] if limited else []),
+            *([f"Megatron-LM at max clock under a GPU power limit (of TDP; time, energy, "
+               f"mean power; simulated): {'; '.join(limited)}.", "",
+               *_two_megatrons(result), ""] if limited else []),
             *iso_power_markdown([("this job", result.iso_power)])]
+
+
+def _two_megatrons(result: OptimizeResult) -> list[str]:
+    """Why the power-limited runs' 100% row is not the frontier's Megatron-LM point: one
+    is simulated, the other composed."""
+    plans = result.plans.get("megatron")
+    full = next((r for r in result.power_limited or [] if r["limit_fraction"] == 1.0), None)
+    if not plans or full is None:
+        return []
+    p = plans[0]
+    return [f"Megatron-LM at max clock appears twice: the frontier's point ({_te(p)}) is "
+            f"composed from partition measurements, as every method's plans are, so that "
+            f"the methods compare on one footing; the power-limited runs are whole "
+            f"iterations simulated by the emulator, its power limiter running, and at 100% "
+            f"of TDP ({format_time_s(full['time_s'])}, {format_energy_j(full['energy_j'])}) "
+            f"the same plan differs from its composed point by the composition error the "
+            f"validation above measures. The metrics and the iso-power levels use the composed "
+            f"point; the iso-power table's power-limited times are the simulated runs'."]
 
 
 def _searches_lines(result: OptimizeResult) -> list[str]:
@@ -153,7 +223,7 @@ def _searches_lines(result: OptimizeResult) -> list[str]:
     for s in result.searches:
         lines.append(f"| {s.partition} | {len(s.samples)} | {s.measured_this_run} | "
                      f"{s.reused_from_journal} | {len(s.frontier)} | {s.stopped} | "
-                     f"{s.profiling_cost_s / 3600:.2f} |")
+                     f"{format_number(s.profiling_cost_s / 3600, 3)} |")
     return [*lines, "", PROFILING_NOTE, ""]
 
 
@@ -226,88 +296,6 @@ def _validation_line(error: float | None, simulated: int, plans: int) -> str:
             f"composed and simulated time or energy is {error * 100:.2f}%; per method:")
 
 
-def timeline_figure(plan: Plan, path: Path, title: str, clocks_mhz: Sequence[int] = (),
-                    pp: int | None = None,
-                    panel: Callable[[Any], None] | None = None) -> None:
-    """The plan's 1F1B timeline: one row per pipeline rank (``pp`` of them; every stage its
-    own rank when not given), instructions coloured by clock (F/B and the microbatch
-    written on wide bars, then ``.chunk`` with interleaved 1F1B: a virtual stage's chunk
-    is stage // pp), transfers grey, critical instructions outlined; cropped to what is
-    drawn. The colour scale spans ``clocks_mhz`` (the job's clocks:
-    every timeline of a job on one scale) and the plan's own clocks; a PNG's Description
-    metadata states it ("SM clock scale: LO..HI MHz"). ``panel``: draws a second panel
-    below, on the same time axis (the plan's power over time: kareus.results.power_figure).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import colormaps
-    from matplotlib.colors import Normalize
-
-    entries = plan.timeline
-    stages = 1 + max((e.stage for e in entries), default=0)
-    ranks = pp or stages
-    clocks = [*clocks_mhz, *(e.freq_mhz for e in entries if e.kind not in ("send", "end"))
-              ] or [0]
-    lo, hi = min(clocks), max(clocks)
-    norm = Normalize(lo, hi) if lo < hi else Normalize(lo - 1, hi + 1)
-    cmap = colormaps["viridis"]
-    if panel is None:
-        fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * ranks), dpi=120,
-                               layout="constrained")
-    else:
-        fig, (ax, below) = plt.subplots(
-            2, 1, figsize=(10, 4.4 + 0.55 * ranks), dpi=120, layout="constrained",
-            height_ratios=(0.9 + 0.55 * ranks, 3.5))
-        panel(below)
-    end = max((e.start_s + e.time_s for e in entries), default=1.0)
-    # one collection per row and kind (a patch per bar took 20 s for a 16-stage pipeline)
-    rows: dict[tuple[int, str], dict[str, list]] = {}
-    for e in entries:
-        y = ranks - 1 - e.stage % ranks
-        kind = e.kind if e.kind in ("send", "end") else "instruction"
-        bars = rows.setdefault((y, kind), {"x": [], "face": [], "edge": [], "width": []})
-        bars["x"].append((e.start_s, e.time_s))
-        if kind != "instruction":
-            bars["face"].append("#bbbbbb" if kind == "send" else "#7a5195")
-            bars["edge"].append("none")
-            bars["width"].append(0.0)
-            continue
-        bars["face"].append(cmap(norm(e.freq_mhz)))
-        bars["edge"].append("black" if e.critical else "white")
-        bars["width"].append(1.6 if e.critical else 0.4)
-        if e.time_s > 0.025 * end:
-            chunk = f".{e.stage // ranks}" if stages > ranks else ""
-            ax.text(e.start_s + e.time_s / 2, y, f"{e.kind[0].upper()}{e.microbatch}{chunk}",
-                    ha="center", va="center", fontsize=7, color="white")
-    for (y, kind), bars in rows.items():
-        height = 0.7 if kind == "instruction" else 0.35
-        ax.broken_barh(bars["x"], (y - height / 2, height), facecolors=bars["face"],
-                       edgecolors=bars["edge"], linewidths=bars["width"],
-                       zorder=2 if kind == "instruction" else 1)
-    row = "rank" if stages > ranks else "stage"
-    ax.set_yticks(range(ranks), [f"{row} {ranks - 1 - i}" for i in range(ranks)])
-    ax.set_ylim(-0.5, ranks - 0.5)
-    ax.set_xlim(0, end * 1.005)
-    ax.set_xlabel("time (s)" if panel is None else " ")  # a panel below has the axis label
-    ax.set_title(f"{plan.id}: {plan.time_s:.3f} s, {plan.energy_j / 1e3:.2f} kJ\n{title}",
-                 fontsize=9)
-    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01,
-                       aspect=8 + 4 * ranks)
-    bar.set_label("SM clock (MHz)")
-    # on the x label's line, left: no row of its own
-    # short enough to end before the centred x label on the smallest figure
-    ax.annotate("outlined: critical path; grey: transfers; purple: DP sync and optimizer step",
-                xy=(0, 0.5),
-                xycoords=("axes fraction", ax.xaxis.label), va="center", fontsize=7,
-                color="#555555")
-    meta = {"Description": f"SM clock scale: {norm.vmin:g}..{norm.vmax:g} MHz"}
-    fig.savefig(path, bbox_inches="tight", pad_inches=0.05,
-                metadata=meta if str(path).endswith(".png") else None)
-    plt.close(fig)
-
-
 _METRICS_IN_WORDS = [
     "- *Iso-time energy*: take Perseus's fastest plan; among this method's plans that are "
     "no slower, the least energy, as a saving against that Perseus plan.",
@@ -327,18 +315,28 @@ def headline(result: OptimizeResult) -> str:
     m = result.metrics.get("kareus")
     if not m:
         why = result.left_out.get("kareus")
-        return ("Kareus was not among the methods run." if why is None else
-                f"Kareus was left out: {why}.")
+        return _provenance(result) + ("Kareus was not among the methods run." if why is None
+                                      else f"Kareus was left out: {why}.")
 
     def pct(key: str) -> str:
         v = m.get(key)
         return "n/a" if v is None else f"{v * 100:.1f}%"
 
-    return (f"Against Perseus, Kareus uses {pct('iso_time_energy_reduction')} less energy at "
-            f"the same iteration time and is {pct('iso_energy_time_reduction')} faster for "
-            f"the same energy; its fastest plan is "
-            f"{pct('max_throughput_time_reduction_vs_megatron')} faster than Megatron-LM with "
-            f"{pct('max_throughput_energy_reduction_vs_megatron')} less energy.")
+    return (f"{_provenance(result)}Against Perseus, Kareus uses "
+            f"{pct('iso_time_energy_reduction')} less energy at the same iteration time and "
+            f"is {pct('iso_energy_time_reduction')} faster for the same energy; its fastest "
+            f"plan is {pct('max_throughput_time_reduction_vs_megatron')} faster than "
+            f"Megatron-LM with {pct('max_throughput_energy_reduction_vs_megatron')} less "
+            f"energy.")
+
+
+def _provenance(result: OptimizeResult) -> str:
+    """Where the numbers come from, first: in bold for a fake device's."""
+    if not result.numbers:
+        return ""
+    note = result.numbers["note"]
+    note = note[0].upper() + note[1:]
+    return f"**{note}.** " if result.fake else f"*{note}.* "
 
 
 def iso_power_markdown(levels: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
@@ -350,7 +348,7 @@ def iso_power_markdown(levels: list[tuple[str, list[dict[str, Any]]]]) -> list[s
         for lv in lvs:
             t = lv["time_s"]
             rows.append(
-                f"| {name} | {lv['level_fraction']:.0%} ({lv['level_w'] / 1e3:.2f} kW) | "
+                f"| {name} | {lv['level_fraction']:.0%} ({format_power_w(lv['level_w'])}) | "
                 f"{_s(t.get('kareus'))} | {_s(lv['megatron_power_limited_time_s'])} | "
                 f"{_s(t.get('perseus'))} | {_pct(lv['kareus_time_saving_vs_power_limited'])} "
                 f"| {_pct(lv['kareus_time_saving_vs_perseus'])} |")
@@ -366,4 +364,4 @@ def iso_power_markdown(levels: list[tuple[str, list[dict[str, Any]]]]) -> list[s
 
 
 def _s(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
+    return "n/a" if x is None else format_time_s(x)

@@ -48,6 +48,14 @@ class OptimizeResult:
     (kareus.workflows.power_limited); None where the backend cannot simulate it."""
     iso_power: list[dict[str, Any]] = field(default_factory=list)
     """Each method's time at Megatron-LM's mean cluster power and at 80% of it."""
+    numbers: dict[str, Any] | None = None
+    """Where the numbers come from (kareus.backends.registry.numbers_from: backend,
+    source, fake, note); None in a result built without saying."""
+
+    @property
+    def fake(self) -> bool:
+        """The numbers are a fake device's (CPU timings, a fake energy counter)."""
+        return bool(self.numbers and self.numbers.get("fake"))
 
     def validated_plans(self) -> tuple[int, int]:
         """(plans simulated, plans) over every method."""
@@ -108,6 +116,7 @@ class OptimizeResult:
                                  for p in ps]}
                 for m, ps in self.plans.items()},
             "metrics": self.metrics,
+            "numbers": self.numbers,
             "left_out": self.left_out,
             "validation_max_rel_error": self.validation_max_error,
             "validation": self.validation(),

@@ -148,10 +148,11 @@ class ResultDir(OwnedDir):
         from kareus.results.power_figure import power_panel
         from kareus.results.report import (
             figure_frontiers,
+            figure_title,
             frontier_figure,
             markdown_report,
-            timeline_figure,
         )
+        from kareus.results.timeline import clock_scale_mhz, timeline_figure
 
         job_doc = result.job.model_dump(mode="json")
         stamp = {"run_id": result.run_id, "job_id": result.job_id}
@@ -162,13 +163,13 @@ class ResultDir(OwnedDir):
             for plans in result.plans.values():
                 for p in plans:
                     new.plan_file(p.id).write_text(json.dumps({**p.to_dict(job_doc), **stamp}))
-            frontier_figure(figure_frontiers(result), new.figure, result.job.describe())
+            title = figure_title(result)
+            frontier_figure(figure_frontiers(result), new.figure, title)
             for which, plan in highlighted_plans(result).items():
                 # with the plan's power over time below its timeline
-                panel = (power_panel(plan, result.job.describe())[1]
-                         if plan.power is not None else None)
-                timeline_figure(plan, new.timeline(which), result.job.describe(),
-                                clocks_mhz=result.job.freqs_mhz, pp=result.job.pp,
+                panel = (power_panel(plan, title)[1] if plan.power is not None else None)
+                timeline_figure(plan, new.timeline(which), title,
+                                clocks_mhz=clock_scale_mhz(result.job), pp=result.job.pp,
                                 panel=panel)
             new.report.write_text(markdown_report(result, self.path))
             new.result_file.write_text(json.dumps(result.to_dict(), indent=1))

@@ -26,6 +26,7 @@ from kareus.backends.registry import (
     backend_kind,
     cost_model_kinds,
     default_spec,
+    numbers_from,
     replay_spec,
 )
 from kareus.backends.replay import open_replay
@@ -168,7 +169,9 @@ class OptimizeRun:
                                 validation_per_method=None if simulator is None else per_method,
                                 power_limited=None if runs is None else [
                                     r.to_dict() for r in runs],
-                                iso_power=iso_power(plans, runs))
+                                iso_power=iso_power(plans, runs),
+                                numbers=numbers_from(sources["backend"] if sources is not None
+                                                     else self.backend.kind))
         result.run_id = result.content_id()
         rd.write(result)
         return result

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kareus.backends.base import Backend, CostModel, PlanSimulator
-from kareus.backends.registry import Agree, BackendSpec, Capabilities, CollectiveFactory
+from kareus.backends.registry import (
+    Agree,
+    BackendSpec,
+    Capabilities,
+    CollectiveFactory,
+    Provenance,
+)
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.workload.workload import Workload
@@ -18,6 +24,9 @@ from kareus.workload.workload import Workload
 class EmulatorSpec(BackendSpec):
     kind: ClassVar[str] = "emulator"
     capabilities: ClassVar[Capabilities] = Capabilities(cost_model=True)
+    provenance: ClassVar[Provenance] = Provenance(
+        "emulator", "emulator: modelled times and energies of the job's GPU, no GPU "
+                    "measured (docs/emulator.md)")
     noise: float = 0.0
     """Relative standard deviation of time and dynamic energy (0: exact)."""
     calibration: str | None = None
