@@ -137,7 +137,7 @@ def fresh_run(budget: int, seed: int) -> tuple[dict[str, Any], str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compare"
         args = ["compare", "--suite", "kareus", "--budget", str(budget), "--seed", str(seed)]
-        subprocess.run([sys.executable, "-m", "kareus", *args, "--out", str(out), "--json"],
+        subprocess.run([sys.executable, "-m", "kareus.cli", *args, "--out", str(out), "--json"],
                        check=True, stdout=subprocess.DEVNULL)
         doc = json.loads((out / "compare.json").read_text())
     return doc, "kareus " + " ".join(args) + " --out DIR"
