@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +80,13 @@ def render(data: dict[str, Any]) -> str:
     """The generated block of docs/comparison.md, markers included."""
     head = " | ".join(HEADS)
     sep = "|---|" + "---|" * len(HEADS)
-    lines = [BEGIN, "",
+    lines = [BEGIN, "", textwrap.fill(
              f"Generated from `{data['command']}` (emulator, budget {data['budget']}, seed "
              f"{data['seed']}, noise {data['noise']:g}) at commit `{data['commit']}`; "
              "`python scripts/comparison_doc.py --check` reruns it and compares. Reductions "
              "are against Perseus (iso-time, iso-energy) and Megatron-LM (max-throughput); "
              "higher is better. The paper's figures are the published best cases "
-             "(docs/anchors.md §4).", "",
+             "(docs/anchors.md §4).", width=90, break_on_hyphens=False), "",
              f"| best over the suite | {head} |", sep]
     for m in BEST_ROWS:
         best = best_over_suite(data, m)
@@ -107,12 +108,12 @@ def render(data: dict[str, Any]) -> str:
         return rows
 
     lines += ["", "Each method's fastest plan, and the least-energy plan of the methods that "
-              "trade time for energy, per workload:", ""]
+              "trade time for", "energy, per workload:", ""]
     lines += plans("fastest plan: time s, energy kJ", "fastest", FASTEST)
     lines += [""]
     lines += plans("least-energy plan: time s, energy kJ", "least_energy", LEAST_ENERGY)
     lines += ["", "Validation against the continuous simulation: the largest error over every "
-              "simulated plan of every method (the bound is 5%):", "",
+              "simulated plan", "of every method (the bound is 5%):", "",
               "| validation: largest error | time | energy |", "|---|---|---|"]
     for c in data["configs"]:
         v = c["validation_max_rel_error"]
