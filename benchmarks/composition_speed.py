@@ -11,7 +11,7 @@ LP's frontier against Phillips-Dessouky's.
    kareus-1, kareus-2 and the 70B preset; and each solver's compose time. PD takes minutes
    on the 70B preset.
 
-    python benchmarks/composition_speed.py [--repeats 3] [--equivalence]
+    python benchmarks/composition_speed.py [--repeats 3] [--equivalence [--presets P,...]]
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def speed(repeats: int, only: str | None = None) -> None:
             f"{last['validation'] * 100:.2f}% (medians of {repeats})", flush=True)
 
 
-def equivalence() -> None:
+def equivalence(presets: tuple[str, ...] = ("kareus-1", "kareus-2", "llama3.3-70b-64gpu")
+                ) -> None:
     from kareus.backends.emulator import EmulatorBackend
     from kareus.backends.journaled import JournaledBackend
     from kareus.compose.options import Composer, key_frontiers
@@ -92,7 +93,7 @@ def equivalence() -> None:
     from kareus.search import SearchConfig, run_search
     from kareus.workload.workload import Workload
 
-    for preset in ("kareus-1", "kareus-2", "llama3.3-70b-64gpu"):
+    for preset in presets:
         job = build_job(preset)
         ps = Workload.build(job).partitions
         b = EmulatorBackend(job)
@@ -130,9 +131,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--equivalence", action="store_true")
     ap.add_argument("--only", choices=list(JOBS), help="one job of the speed table")
+    ap.add_argument("--presets", help="--equivalence on these presets (comma-separated)")
     args = ap.parse_args()
     if args.equivalence:
-        equivalence()
+        equivalence(*([tuple(args.presets.split(","))] if args.presets else []))
     else:
         speed(args.repeats, args.only)
 

@@ -105,3 +105,34 @@ def test_lower_hull_is_convex_and_below_every_point(points):
         if xs[0] <= x <= xs[-1]:
             assert np.interp(x, xs, [h[1] for h in hull]) <= y + 1e-9 * max(1.0, y)
     assert min(h[1] for h in hull) == pytest.approx(min(y for _x, y in points))
+
+
+def test_phillips_dessouky_reaches_the_fast_end():
+    # PD's walk counts time in units (here range/400, 2.4 ms): options closer than a unit
+    # (1410 and 1380 MHz) round to one time, so on kareus-2 it stops 24 ms short of the
+    # fastest plan, and the frontier's fast end was the straight line to the all-fastest
+    # plan. The exact final step (the LP over that stretch) must bring PD's frontier to the
+    # LP's fastest time and energy, checked against the LP solving the whole range alone.
+    from kareus.compose.instruction import pareto_front
+    from kareus.compose.phillips_dessouky import pd_choices
+    from kareus.compose.pipeline import drop_wasteful, evaluate, pd_unit_s, uniform
+
+    job = build_job("kareus-2")
+    comp = Composer(Workload.build(job).partitions, EmulatorBackend(job), job.freqs_mhz)
+    options = comp.options(get_method("perseus"))
+    costs = comp.pipeline_costs()
+    lp = solve_frontier(options, costs, solver="lp")
+    pd = solve_frontier(options, costs, solver="phillips-dessouky")
+    # the walk alone, with the options and the unit solve_frontier gives it, stops short
+    # here (the case this test is about) ...
+    pruned = {k: drop_wasteful(pareto_front(v), costs.static_power_w)
+              for k, v in options.items()}
+    slowest = evaluate(pruned, costs, uniform(pruned, costs, fastest=False)).time_s
+    unit = pd_unit_s(costs, slowest - lp[0].time_s)
+    walked = min(evaluate(pruned, costs, c).time_s for c in pd_choices(pruned, costs, unit))
+    assert walked > lp[1].time_s + 2 * unit
+    # ... the frontier does not: its fastest plans reach the LP's within one unit
+    assert pd[1].time_s <= lp[1].time_s + unit
+    times = np.linspace(lp[0].time_s, walked, 50)  # the stretch the walk left
+    ratio = _energy_at(pd, times) / _energy_at(lp, times)
+    assert ratio.max() <= 1.001, f"PD above the LP by {ratio.max() - 1:.3%} at the fast end"

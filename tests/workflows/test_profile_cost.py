@@ -216,3 +216,49 @@ def test_an_unknown_prior_is_one_line_and_creates_nothing(tmp_path, prior):
     assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1, r.err
     assert "prior" in r.err
     assert not path.exists()
+
+
+# A real GPU's estimate, without one ---------------------------------------------------------
+
+@pytest.fixture
+def no_nvml(monkeypatch):
+    """NVML and PyTorch absent, as on a machine without an NVIDIA GPU (whatever this one
+    has): opening the device or importing torch fails as they do there."""
+    from kareus.backends import nvml
+    from kareus.errors import KareusError
+
+    def absent(*_a, **_k):
+        raise KareusError("no NVIDIA GPU found (NVML: NVML Shared Library Not Found)")
+
+    monkeypatch.setattr(nvml.NvmlSpec, "_device", absent)
+    monkeypatch.setattr(nvml, "import_torch", absent)
+
+
+def test_an_nvml_dry_run_needs_no_gpu_and_counts_the_catalogs_clocks(tmp_path, no_nvml):
+    """docs/gpu.md's "ask before you start": the estimate is arithmetic over the job and
+    the protocol, the run's own numbers, with the job's GPU's clocks from the catalog."""
+    path = tmp_path / "j.sqlite"
+    nvml = run_cli("profile", *ARGS, "--backend", "nvml", "--allow-clock-changes",
+                   "--journal", str(path), "--dry-run", "--json")
+    assert nvml.code == 0, nvml.err
+    emulated = run_cli(*PROFILE[:-2], "--journal", str(path), "--dry-run", "--json")
+    assert emulated.code == 0, emulated.err
+    a, b = nvml.json(), emulated.json()
+    for k in ("partition_settings", "steps_measured", "steps_upper_bound", "cost_s",
+              "clock_changes", "gpu_s"):
+        assert a[k] == pytest.approx(b[k]), k
+    assert a["clocks_from"] == "catalog:A100-40GB"
+    assert a["clocks_mhz"] == list(JOB.freqs_mhz) and len(JOB.freqs_mhz) == 18
+    assert not path.exists()  # a dry run creates nothing
+    text = run_cli("profile", *ARGS, "--backend", "nvml", "--allow-clock-changes",
+                   "--journal", str(path), "--dry-run")
+    assert text.code == 0 and "A100-40GB catalog's search clocks" in text.out, text.err
+    # the run itself still needs the GPU: one line, exit 2, nothing created
+    run = run_cli("profile", *ARGS, "--backend", "nvml", "--allow-clock-changes",
+                  "--journal", str(path))
+    assert run.code == 2 and "no NVIDIA GPU found" in run.err
+    assert len(run.err.strip().splitlines()) == 1 and not path.exists()
+    # and the estimate keeps the run's own refusals (several clocks need the permission)
+    refused = run_cli("profile", *ARGS, "--backend", "nvml", "--journal", str(path),
+                      "--dry-run")
+    assert refused.code == 2 and "--allow-clock-changes" in refused.err

@@ -101,6 +101,11 @@ class CostSummary:
     """Measurements at another clock than the one before (expected, for an estimate)."""
     steps_upper_bound: int = 0
     """Estimate: the steps measured if every fit failed (every clock measured)."""
+    clocks_mhz: tuple[int, ...] = ()
+    """Estimate on a real GPU: the clocks it counts (the job's, not read from a GPU)."""
+    clocks_from: str = ""
+    """Where ``clocks_mhz`` come from: ``catalog:<GPU>`` (kareus.job.hardware) or
+    ``--freqs``."""
 
     @property
     def measurements(self) -> int:
@@ -136,7 +141,9 @@ class CostSummary:
                 "gpus_per_node": self.gpus_per_node,
                 "parallel_groups": self.parallel_groups,
                 "clock_changes": self.clock_changes,
-                "protocol": asdict(self.protocol)}
+                "protocol": asdict(self.protocol),
+                **({"clocks_mhz": list(self.clocks_mhz), "clocks_from": self.clocks_from}
+                   if self.clocks_from else {})}
 
     def lines(self) -> list[str]:
         """The summary a person reads (the first lines of `kareus profile`)."""
@@ -158,6 +165,13 @@ class CostSummary:
         if self.estimate and self.steps_upper_bound > self.steps_measured:
             out.append(f"  steps: {self.steps_upper_bound:,} measured at most (if every "
                        f"step's fit failed its held-out check)")
+        if self.clocks_from:
+            source = ("--freqs" if self.clocks_from == "--freqs" else
+                      f"the {self.clocks_from.removeprefix('catalog:')} catalog's search clocks "
+                      f"(kareus.job.hardware)")
+            out.append(f"  clocks: {len(self.clocks_mhz)}, {self.clocks_mhz[0]}.."
+                       f"{self.clocks_mhz[-1]} MHz, from {source}; no GPU was read for "
+                       f"the estimate (a run refuses a clock its GPU does not support)")
         if self.transients:
             out.append(f"  plus {self.transients:,} wait transients (emulator only; no GPU "
                        f"time)")

@@ -16,7 +16,9 @@ Counts, per kind:
 
 What the journal holds is subtracted where the backend opens on this machine (the
 emulator, a replay); a real GPU's journal entries are keyed by its identity, which needs
-the GPU, so its estimate is of a profile from scratch.
+the GPU, so its estimate is of a profile from scratch. Nothing here opens a GPU: a real
+GPU's estimate counts the job's clocks (the hardware catalog's table, or --freqs), which
+are the clocks its run searches, and says so; it runs without NVML.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need, measure_need
 from kareus.backends.registry import BackendSpec, spec_from_options
 from kareus.core import Measurement, MeasurementProtocol
+from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig
 from kareus.store import Journal
 from kareus.workflows.executors import ExecutorSpec
@@ -79,7 +83,16 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
         steps_fitted=bound - steps, steps_cost_s=steps_cost, transients=0,
         group_gpus=group_gpus(workload), gpus_per_node=job.gpus_per_node, parallel_groups=parallel,
         wall_s=wall, protocol=protocol, estimate=True, partitions=len(keys),
-        clock_changes=changes + step_changes, steps_upper_bound=bound)
+        clock_changes=changes + step_changes, steps_upper_bound=bound,
+        **_clocks(job) if backend.capabilities.real_gpu else {})
+
+
+def _clocks(job: JobSpec) -> dict[str, Any]:
+    """The clocks a real GPU's estimate counts: the job's (the run searches the same), from
+    the hardware catalog or --freqs; the estimate reads no GPU, so says which."""
+    return {"clocks_mhz": job.freqs_mhz,
+            "clocks_from": "--freqs" if job.search_freqs_mhz is not None
+            else f"catalog:{job.gpu_spec.name}"}
 
 
 def _protocol_s(protocol: MeasurementProtocol, measurements: int, clock_changes: float

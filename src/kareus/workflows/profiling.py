@@ -98,8 +98,10 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     if executor is not None:
         executor.check()
     check_prior(prior)
-    chosen = check_profile(workload, backend, config, keys, here=not distributed,
-                           with_prior=prior is not None)
+    # a dry run opens no backend (its estimate is arithmetic over the job and the
+    # protocol), so what only the backend's machine can check (a GPU, NVML) is not asked
+    chosen = check_profile(workload, backend, config, keys,
+                           here=not distributed and not dry_run, with_prior=prior is not None)
     if not chosen and not composition:
         raise SpecError(f"nothing to profile with --partitions-only: "
                         f"{workload.partitions.none_reason}")
