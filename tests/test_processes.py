@@ -38,8 +38,10 @@ def _start_search(journal: Path) -> subprocess.Popen:
     deadline = time.time() + 120
     while time.time() < deadline:
         time.sleep(0.2)
+        if not journal.exists():  # connecting would create it empty: not a journal
+            continue
         try:
-            with sqlite3.connect(journal) as c:
+            with sqlite3.connect(f"file:{journal}?mode=ro", uri=True) as c:
                 if c.execute("SELECT COUNT(DISTINCT partition) FROM measurements"
                              ).fetchone()[0] >= 2:
                     break

@@ -19,7 +19,14 @@ from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need
 from kareus.core import Knobs, Measurement
 from kareus.job.sources import build_job
-from kareus.store import JOURNAL_SCHEMA_VERSION, Journal, JournalError, JournalLike, job_id
+from kareus.store import (
+    APPLICATION_ID,
+    JOURNAL_SCHEMA_VERSION,
+    Journal,
+    JournalError,
+    JournalLike,
+    job_id,
+)
 from tests.conftest import run_cli
 
 M = Measurement(0.5, 100.0, 40.0, 60.0, 200.0, 1400.0)
@@ -353,6 +360,177 @@ def test_the_first_version_1_layout_opens_and_gains_the_later_tables(tmp_path):
         assert j.op_samples("job", "emu") == {("ops", 1410, 8): M}
         assert j.backend_info("emu") == {"gpu": "A100"}
         assert j.integrity_ok()
+    # the journal as it was before the upgrade, beside it
+    backup = tmp_path / "old.sqlite.v1-backup"
+    assert _tables(backup) == {"meta", "jobs", "measurements"}
+    with _raw(backup) as conn:
+        assert conn.execute("SELECT value FROM meta").fetchall() == [("1",)]
+        assert conn.execute("SELECT COUNT(*) FROM measurements").fetchone() == (2,)
+
+
+def _v1_journal(path: Path) -> None:
+    with _raw(path) as conn:
+        conn.executescript(FIRST_V1_LAYOUT)
+        conn.execute("INSERT INTO jobs VALUES ('job', '{\"model\": {\"name\": \"m\"}}')")
+        conn.execute("INSERT INTO measurements (job_id, partition, backend, freq_mhz, sms, "
+                     "slot, time_s, energy_j, static_energy_j, dynamic_energy_j, "
+                     "avg_power_w, effective_freq_mhz, created_at) VALUES "
+                     "('job', 'fwd_attn', 'emu', 1410, 8, 'none', 0.5, 100, 40, 60, 200, "
+                     "1400, 0)")
+    conn.close()
+
+
+def test_a_version_1_journal_is_read_as_it_is_by_a_reader(tmp_path):
+    """Listing (or replaying) an old journal changes nothing: no upgrade, no backup."""
+    path = tmp_path / "old.sqlite"
+    _v1_journal(path)
+    before = path.read_bytes()
+    r = run_cli("journal", "--journal", str(path), "--json")
+    assert r.code == 0, r.err
+    assert [(e["job_id"], e["model"], e["measurements"]) for e in r.json()["entries"]] == [
+        ("job", "m", 1)]
+    with Journal(path, read_only=True) as j:
+        assert j.partition_samples("job", "emu") == {("fwd_attn", Knobs(1410, 8, None)): M}
+        assert j.op_samples("job", "emu") == {} and j.backend_info("emu") is None
+        assert j.fitted("job", "emu") == {} and j.profile_runs("job") == []
+        with pytest.raises(sqlite3.DatabaseError):
+            j.conn.execute("INSERT INTO meta VALUES ('x', 'y')")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.sqlite"]
+
+
+# Another application's database, empty files -------------------------------------------------
+
+def _foreign_meta(path: Path) -> None:
+    """An application's database with a `meta` table of its own."""
+    with _raw(path) as conn:
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.execute("INSERT INTO meta VALUES ('owner', 'other_app')")
+    conn.close()
+
+
+def _foreign_wal(path: Path) -> None:
+    """An application's database in WAL mode, closed cleanly."""
+    conn = _raw(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE items (x INTEGER)")
+    conn.execute("INSERT INTO items VALUES (1)")
+    conn.commit()
+    conn.close()
+
+
+def _foreign_version(path: Path) -> None:
+    """Another application that also keeps a schema_version in a `meta` table."""
+    with _raw(path) as conn:
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.execute("INSERT INTO meta VALUES ('schema_version', '2')")
+        conn.execute("CREATE TABLE settings (x TEXT)")
+    conn.close()
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+_READERS = [("journal",), ("profile", "-p", "kareus-1", "--backend", "emulator", "--dry-run"),
+            ("optimize", "-p", "kareus-1", "--out", "OUT", "--measurements")]
+_WRITERS = [("search", "-p", "kareus-1", "--partition", "fwd_attn", "--budget", "20"),
+            ("profile", "-p", "kareus-1", "--backend", "emulator", "--budget", "20")]
+
+
+@pytest.mark.parametrize("make", [_foreign_meta, _foreign_wal, _foreign_version, _empty])
+@pytest.mark.parametrize("command", _READERS + _WRITERS, ids=lambda c: " ".join(c[:2]))
+def test_a_file_that_is_no_journal_is_refused_and_left_byte_identical(tmp_path, make,
+                                                                       command):
+    path = tmp_path / "other_app.sqlite"
+    make(path)
+    before = path.read_bytes()
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    r = run_cli(*args, *([] if args[-1] == "--measurements" else ["--journal"]), str(path))
+    assert r.code == 2, r.err
+    assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert "not a Kareus journal" in r.err
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_app.sqlite"]  # no -wal,
+    # -shm, .lock, result directory
+
+
+@pytest.mark.parametrize("make", [_foreign_meta, _foreign_wal, _empty])
+def test_opening_what_is_no_journal_to_write_changes_nothing(tmp_path, make):
+    path = tmp_path / "other_app.sqlite"
+    make(path)
+    before = path.read_bytes()
+    for read_only in (False, True):
+        with pytest.raises(JournalError, match="not a Kareus journal"):
+            Journal(path, read_only=read_only)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_app.sqlite"]
+
+
+def test_a_reader_creates_nothing_beside_a_journal_in_wal_mode(tmp_path):
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as j:
+        j.record("job", "fwd_attn", "emu", Knobs(1410, 8, None), M)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.sqlite"]
+    before = path.read_bytes()
+    with Journal(path, read_only=True) as j:
+        assert j.partition_samples("job", "emu") == {("fwd_attn", Knobs(1410, 8, None)): M}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.sqlite"]
+    assert path.read_bytes() == before
+
+
+def test_a_reader_sees_what_a_running_writer_committed(tmp_path):
+    """While a writer holds the journal open its rows are in the -wal file: read too."""
+    path = tmp_path / "j.sqlite"
+    with Journal(path) as writer:
+        writer.record("job", "fwd_attn", "emu", Knobs(1410, 8, None), M)
+        assert (tmp_path / "j.sqlite-wal").exists()
+        with Journal(path, read_only=True) as j:
+            assert j.partition_samples("job", "emu") == {
+                ("fwd_attn", Knobs(1410, 8, None)): M}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes despite chmod")
+def test_readers_work_on_a_read_only_directory(tmp_path):
+    where = tmp_path / "media"
+    where.mkdir()
+    path = where / "j.sqlite"
+    with Journal(path) as j:
+        j.record("job", "fwd_attn", "emu", Knobs(1410, 8, None), M)
+    path.chmod(0o444)
+    where.chmod(0o555)
+    try:
+        with Journal(path, read_only=True) as j:
+            assert j.partition_samples("job", "emu") == {
+                ("fwd_attn", Knobs(1410, 8, None)): M}
+        r = run_cli("journal", "--journal", str(path))
+        assert r.code == 0, r.err
+        assert sorted(p.name for p in where.iterdir()) == ["j.sqlite"]
+    finally:
+        where.chmod(0o755)
+        path.chmod(0o644)
+
+
+def test_a_new_journal_is_created_whole_where_a_link_leads(tmp_path):
+    real = tmp_path / "real.sqlite"
+    alias = tmp_path / "alias.sqlite"
+    alias.symlink_to(real)  # dangling: the journal is made at its target
+    with Journal(alias) as j:
+        j.record("job", "fwd_attn", "emu", Knobs(1410, 8, None), M)
+    assert alias.is_symlink() and real.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.sqlite", "real.sqlite"]
+    with _raw(real) as conn:
+        assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+
+
+@pytest.mark.parametrize("command", _READERS + _WRITERS, ids=lambda c: " ".join(c[:2]))
+def test_a_journal_path_too_long_to_exist_is_one_line_before_any_work(tmp_path, command):
+    path = tmp_path / ("a" * 300 + ".sqlite")
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    r = run_cli(*args, *([] if args[-1] == "--measurements" else ["--journal"]), str(path))
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    assert list(tmp_path.iterdir()) == []
 
 
 def _open_fds(path: Path) -> int:

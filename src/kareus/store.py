@@ -12,24 +12,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 import sqlite3
+import stat
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from kareus.core import Knobs, Measurement
+from kareus.core.lock import held_by, lock_file
 from kareus.core.measurement import FIELDS
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 
 JOURNAL_SCHEMA_VERSION = 2
 """2 added which numbers were fitted rather than measured (`fitted`) and what each profile
-cost (`profile_runs`); a version-1 journal is upgraded in place when opened (both tables
-start empty: every number in it was measured). Version-1 code refuses a version-2 journal,
-which would take its fitted numbers for measurements."""
+cost (`profile_runs`); a version-1 journal is upgraded in place by a command that writes to
+it, after a copy of it is written beside it (`NAME.v1-backup`; both tables start empty:
+every number in it was measured), and read as it is by one that only reads. Version-1 code
+refuses a version-2 journal, which would take its fitted numbers for measurements."""
+
+APPLICATION_ID = 0x4B617265
+"""The SQLite header's application id of a journal ("Kare"): what says a file is one.
+Journals made before it was set are recognised by their tables and ``meta`` row."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -96,8 +106,195 @@ _MEASUREMENT_COLUMNS = ("time_s, energy_j, static_energy_j, dynamic_energy_j, av
 _NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stored as text
 
 
+_TABLES = ("meta", "jobs", "measurements", "backends", "op_measurements", "fitted",
+           "profile_runs")
+_V1_TABLES = ("meta", "jobs", "measurements")
+"""What the first version-1 journals held (later ones also backends and op_measurements)."""
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
 class JournalError(KareusError):
     pass
+
+
+def journal_lock_file(path: str | Path) -> Path:
+    """The lock file of the journal at ``path``: beside the file a link leads to, so that
+    one journal reached through several names has one lock."""
+    return lock_file(os.path.realpath(path))
+
+
+def in_use_note(path: str | Path) -> str:
+    """"" where no run holds the lock of the journal at ``path``; else a clause saying
+    which does, for an error about what the journal lacks."""
+    who = held_by(journal_lock_file(path))
+    return ("" if who is None else f"; a kareus run ({who}) holds the journal's lock: a "
+            f"profile may still be measuring into it (wait for it to end)")
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """``path``'s file (None: nothing is there); a directory, or a path that cannot be
+    looked at (too long a name, no permission), is one line."""
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise JournalError(f"journal {path} is a directory")
+    return st
+
+
+def journal_exists(path: str | Path) -> bool:
+    """Whether something is at ``path`` (not whether it is a journal: `recognise`); a
+    directory or a path that cannot be looked at is a JournalError."""
+    return _stat(Path(path)) is not None
+
+
+def _connect_rw(where: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(where, timeout=30.0, isolation_level=None)
+    # WAL + NORMAL: a committed row survives the process being killed (not a power cut);
+    # writers from other processes wait up to 30 s for the lock
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+def _connect_ro(path: Path) -> sqlite3.Connection:
+    """A connection that cannot write ``path``, and creates nothing beside it.
+
+    ``mode=ro`` on a database in WAL mode creates its -wal and -shm files, and leaves them:
+    where no -wal file is there, every committed row is in the database file itself, which
+    is then read as immutable (no lock, no -shm; a writer starting meanwhile appends to its
+    own new -wal and changes the file only at a checkpoint, after many pages or at its
+    end). Where a -wal file is (a writer is running, or was killed), it is read through
+    it, as ``mode=ro``, with the -shm it has (or makes)."""
+    st = _stat(path)
+    if st is None:
+        raise JournalError(f"journal not found: {path}")
+    if st.st_size == 0:
+        raise JournalError(f"{path} is empty: not a Kareus journal")
+    try:
+        with open(path, "rb") as f:
+            header = f.read(100)
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc.strerror or exc}") from None
+    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
+        raise JournalError(f"cannot open journal {path}: file is not a database")
+    wal = header[18] == 2 and header[19] == 2
+    immutable = wal and _stat(Path(f"{path}-wal")) is None
+    uri = (f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+           + ("&immutable=1" if immutable else ""))
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=30.0, isolation_level=None)
+    except sqlite3.DatabaseError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from None
+    try:
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise JournalError(f"cannot open journal {path}: {exc}") from None
+    return conn
+
+
+def _recognised(conn: sqlite3.Connection, path: Path) -> tuple[int, set[str]]:
+    """The schema version and tables of the journal on ``conn``; a JournalError where the
+    database is not one (another application's), or of a version this code cannot read."""
+    try:
+        app_id = int(conn.execute("PRAGMA application_id").fetchone()[0])
+        tables = {str(r[0]) for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        row = (conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+               if "meta" in tables else None)
+    except sqlite3.DatabaseError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from None
+    if app_id not in (0, APPLICATION_ID) or row is None:
+        raise JournalError(f"{path} is not a Kareus journal (another application's "
+                           f"database?); it was left as it is")
+    version = str(row[0])
+    if version not in ("1", "2"):
+        raise JournalError(f"journal {path} has an unsupported schema version")
+    needed = _V1_TABLES if version == "1" else _TABLES
+    if app_id != APPLICATION_ID and not set(needed) <= tables:
+        raise JournalError(f"{path} is not a Kareus journal (another application's "
+                           f"database?); it was left as it is")
+    return int(version), tables
+
+
+def recognise(path: str | Path) -> int:
+    """The schema version of the journal at ``path``, read without writing anything; a
+    JournalError where nothing is there, or it is no journal (an empty file, another
+    application's database), or of a version this code cannot read."""
+    conn = _connect_ro(Path(path))
+    try:
+        return _recognised(conn, Path(path))[0]
+    finally:
+        conn.close()
+
+
+def _create(path: Path, target: Path) -> None:
+    """A new journal at ``target`` (where ``path`` leads), made whole beside it and linked
+    into place: no process ever sees it empty or half made. Where another process made one
+    first, that one stays."""
+    tmp = target.with_name(f".kareus-journal-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            conn.executescript(_SCHEMA)
+            conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
+                         (str(JOURNAL_SCHEMA_VERSION),))
+            conn.execute("PRAGMA journal_mode=WAL")
+        finally:
+            conn.close()
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: copied, not replacing one
+            with open(tmp, "rb") as src, open(target, "xb") as dst:
+                dst.write(src.read())
+                dst.flush()
+                os.fsync(dst.fileno())
+    except FileExistsError:
+        pass
+    except (OSError, sqlite3.DatabaseError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise JournalError(f"cannot create journal {path}: {reason}") from None
+    finally:
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            with suppress(OSError):
+                os.unlink(f"{tmp}{suffix}")
+
+
+def _backup(path: Path, target: Path, version: int) -> Path:
+    """A copy of the journal at ``target`` (of schema ``version``), written beside it
+    before it is upgraded: ``NAME.v1-backup`` (``-2``, ... where that is taken)."""
+    tmp = target.with_name(f".kareus-journal-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    src = _connect_ro(target)
+    try:
+        dst = sqlite3.connect(str(tmp))
+        try:
+            src.backup(dst)
+        finally:
+            dst.close()
+        n = 1
+        while True:
+            dest = target.with_name(f"{target.name}.v{version}-backup"
+                                    + (f"-{n}" if n > 1 else ""))
+            try:
+                os.link(tmp, dest)
+                return dest
+            except FileExistsError:
+                n += 1
+    except (OSError, sqlite3.DatabaseError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise JournalError(f"cannot back up journal {path} before upgrading it from "
+                           f"version {version}: {reason}; it was left as it is") from None
+    finally:
+        src.close()
+        with suppress(OSError):
+            os.unlink(tmp)
 
 
 def _retry_locked(fn, seconds: float = 30.0):
@@ -161,34 +358,60 @@ class JournalLike(Protocol):
 
 
 class Journal:
-    def __init__(self, path: str | Path) -> None:
+    """A journal opened to write (``read_only=False``: made where nothing is, a version-1
+    journal upgraded after a backup beside it) or to read (it must exist; nothing is
+    written, so it works on read-only media). Either way the file is recognised as a
+    journal (`recognise`) before anything touches it."""
+
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
-        if self.path.is_dir():
-            raise JournalError(f"journal {self.path} is a directory")
+        self.read_only = read_only
+        self.backup: Path | None = None
+        """Where a version-1 journal was copied before this open upgraded it."""
+        if str(path) == ":memory:":
+            self.conn = _connect_rw(":memory:")
+            self.conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            self.conn.executescript(_SCHEMA)
+            self.conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
+                              (str(JOURNAL_SCHEMA_VERSION),))
+            self._tables = set(_TABLES)
+            return
+        if read_only:
+            self.conn = _connect_ro(self.path)
+            try:
+                version, self._tables = _recognised(self.conn, self.path)
+            except BaseException:
+                self._close_quietly()
+                raise
+            return
+        # written through the resolved path: a link's target, made where it leads
+        target = Path(os.path.realpath(self.path))
+        if _stat(self.path) is None:
+            _create(self.path, target)
+        version = recognise(self.path)
+        if version != JOURNAL_SCHEMA_VERSION:
+            self.backup = _backup(self.path, target, version)
         try:
-            self.conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None)
-            # Switching to WAL needs the database to itself and does not wait on the busy
-            # handler: several processes opening a new journal at once retry it.
+            self.conn = _connect_rw(str(target))
+            # WAL: a committed row survives the process being killed (not a power cut)
+            # and several processes write at once. Switching to it needs the database to
+            # itself and does not wait on the busy handler: retried (a no-op on a journal
+            # in WAL already, which every journal this code made is)
             _retry_locked(lambda: self.conn.execute("PRAGMA journal_mode=WAL"))
-            # WAL + NORMAL: a committed row survives the process being killed (not a power
-            # cut); writers from other processes wait up to 30 s for the lock.
-            self.conn.execute("PRAGMA synchronous=NORMAL")
-            self.conn.execute("PRAGMA busy_timeout=30000")
-            # idempotent; each statement commits itself
-            _retry_locked(lambda: self.conn.executescript(_SCHEMA))
-            _retry_locked(lambda: self.conn.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
-                (str(JOURNAL_SCHEMA_VERSION),)))
-            # version 1 lacks only the tables the schema script just created
-            _retry_locked(lambda: self.conn.execute(
-                "UPDATE meta SET value = ? WHERE key = 'schema_version' AND value = '1'",
-                (str(JOURNAL_SCHEMA_VERSION),)))
-            version = self.conn.execute(
-                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if version != JOURNAL_SCHEMA_VERSION:
+                # version 1 lacks only tables the schema script creates; once, atomically
+                _retry_locked(lambda: self.conn.executescript(
+                    f"BEGIN IMMEDIATE; PRAGMA application_id = {APPLICATION_ID};"
+                    f"{_SCHEMA} UPDATE meta SET value = '{JOURNAL_SCHEMA_VERSION}' "
+                    f"WHERE key = 'schema_version' AND value = '1'; COMMIT;"))
+            version, self._tables = _recognised(self.conn, self.path)
         except sqlite3.DatabaseError as exc:
             self._close_quietly()
             raise JournalError(f"cannot open journal {self.path}: {exc}") from None
-        if version is None or str(version[0]) != str(JOURNAL_SCHEMA_VERSION):
+        except BaseException:
+            self._close_quietly()
+            raise
+        if version != JOURNAL_SCHEMA_VERSION:
             self._close_quietly()
             raise JournalError(f"journal {self.path} has an unsupported schema version")
 
@@ -315,6 +538,8 @@ class Journal:
                                                      tuple[float, float]]:
         """Every fitted number of the job on the backend: (kind, key, MHz, SMs, slot) ->
         its fit's held-out (time, energy) relative errors."""
+        if "fitted" not in self._tables:  # a version-1 journal, read as it is
+            return {}
         rows = self.conn.execute(
             "SELECT kind, key, freq_mhz, sms, slot, time_rel_error, energy_rel_error "
             "FROM fitted WHERE job_id = ? AND backend = ?", (jid, backend)).fetchall()
@@ -323,13 +548,16 @@ class Journal:
 
     def profile_runs(self, jid: str) -> list[dict[str, object]]:
         """The profiles recorded for the job, oldest first."""
+        if "profile_runs" not in self._tables:
+            return []
         rows = self.conn.execute(
             "SELECT summary_json FROM profile_runs WHERE job_id = ? ORDER BY id",
             (jid,)).fetchall()
         return [json.loads(r[0]) for r in rows]
 
-
     def backend_info(self, identity: str) -> dict[str, object] | None:
+        if "backends" not in self._tables:  # the first version-1 layout, read as it is
+            return None
         row = self.conn.execute("SELECT info_json FROM backends WHERE identity = ?",
                                 (identity,)).fetchone()
         return json.loads(row[0]) if row else None
@@ -344,6 +572,8 @@ class Journal:
     def op_samples(self, jid: str, backend: str
                    ) -> dict[tuple[str, int, int], Measurement]:
         """Every run of ops measured for the job on the backend: (ops, MHz, SMs) -> it."""
+        if "op_measurements" not in self._tables:
+            return {}
         rows = self.conn.execute(
             f"SELECT ops, freq_mhz, sms, {_MEASUREMENT_COLUMNS} FROM op_measurements "
             "WHERE job_id = ? AND backend = ? ORDER BY id", (jid, backend)).fetchall()

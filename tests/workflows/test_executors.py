@@ -4,10 +4,16 @@ import json
 import pytest
 
 from kareus.backends.emulator.spec import EmulatorSpec
+from kareus.errors import KareusError
 from kareus.job.sources import build_job
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
-from kareus.workflows.executors import ExecutorSpec, make_task, run_tasks
+from kareus.workflows.executors import (
+    ExecutorSpec,
+    journal_lock,
+    make_task,
+    run_tasks,
+)
 from tests.conftest import run_cli
 
 JOB = build_job("kareus-1")
@@ -130,3 +136,23 @@ def test_search_table_says_its_gpu_hours_are_an_estimate():
     assert r.code == 0, r.err
     assert "est. GPU h" in r.out and "an estimate, not time spent here" in " ".join(r.out.split())
     assert "profiling h" not in r.out
+
+
+@pytest.mark.parametrize("command", ["profile", "search"])
+def test_a_journal_reached_through_a_link_has_the_lock_of_its_file(tmp_path, command):
+    """Two profiles into one journal under two names: the second is refused (before
+    anything is created), as under one name."""
+    real = tmp_path / "J.sqlite"
+    Journal(real).close()
+    alias = tmp_path / "alias.sqlite"
+    alias.symlink_to(real)
+    args = (["profile", "--backend", "emulator"] if command == "profile"
+            else ["search", "--partition", "fwd_attn"])
+    with journal_lock(str(real)):
+        r = run_cli(*args, "-p", "kareus-1", "--budget", "20", "--journal", str(alias))
+    assert r.code == 2, r.err
+    assert "in use by another kareus run" in r.err and len(r.err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "J.sqlite", "J.sqlite.lock", "alias.sqlite"]
+    with journal_lock(str(alias)), pytest.raises(KareusError, match="in use"):
+        journal_lock(str(real))

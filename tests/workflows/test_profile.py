@@ -3,6 +3,8 @@
 `kareus optimize` gives."""
 
 import json
+import os
+import sqlite3
 
 import pytest
 
@@ -12,6 +14,7 @@ from kareus.backends.journaled import JournaledBackend
 from kareus.job.sources import build_job
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
+from kareus.workflows.executors import journal_lock
 from kareus.workflows.optimize import optimize
 from kareus.workflows.profile import COMPOSITION, composition_needs, profile
 from kareus.workload.workload import Workload
@@ -105,6 +108,52 @@ def test_a_journal_without_the_fixed_steps_is_one_line_listing_them(tmp_path):
     assert "lacks" in lines[0] and "kareus profile" in lines[0]
     assert "ops embedding" in lines[0] and "1410,1200 MHz" in lines[0]
     assert not (tmp_path / "o" / "result.json").exists()
+
+
+def _without_transients(profiled, tmp_path) -> str:
+    """A copy of the whole profile's journal, less the wait transients it measured last
+    (a profile stopped before its end)."""
+    path = tmp_path / "j.sqlite"
+    src = sqlite3.connect(profiled[0])
+    dst = sqlite3.connect(str(path))
+    src.backup(dst)
+    src.close()
+    dst.execute("DELETE FROM op_measurements WHERE ops LIKE 'transient:%'")
+    dst.commit()
+    dst.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_journal_without_the_transients_says_which_command_measures_them(
+        profiled, tmp_path, locked):
+    """Not "optimize with the backend that measured this journal" (the same backend did);
+    and where a profile holds the journal's lock, that it may still be measuring."""
+    path = _without_transients(profiled, tmp_path)
+    held = journal_lock(path) if locked else None
+    try:
+        r = run_cli("optimize", *ARGS, "--measurements", path, "--out",
+                    str(tmp_path / "o"), "--json")  # no progress on stderr
+    finally:
+        if held is not None:
+            held.release()
+    assert r.code == 2
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert "wait transient" in lines[0]
+    assert f"`kareus profile` with this job's options and --journal {path}" in lines[0]
+    assert "optimize with the backend" not in lines[0]
+    assert ("holds the journal's lock" in lines[0]) == locked
+    assert (f"pid {os.getpid()}" in lines[0]) == locked
+
+
+def test_a_journal_lacking_steps_while_a_profile_holds_it_says_so(tmp_path):
+    path = str(tmp_path / "j.sqlite")
+    profile(JOB, path, EmulatorSpec(), CONFIG, composition=False)
+    with journal_lock(path):
+        r = run_cli("optimize", *ARGS, "--measurements", path, "--out", str(tmp_path / "o"))
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "lacks" in r.err and f"a kareus run (pid {os.getpid()}) holds" in r.err
 
 
 def test_fill_missing_emulator_says_which_numbers(tmp_path):

@@ -139,6 +139,14 @@ def test_max_hours_below_the_estimate_is_refused_before_anything_is_created(
     assert not path.exists()
 
 
+def test_a_profile_refused_by_max_hours_leaves_no_lock_file(tmp_path):
+    where = tmp_path / "fresh"
+    where.mkdir()
+    r = run_cli(*PROFILE, "--journal", str(where / "j.sqlite"), "--max-hours", "0.000001")
+    assert r.code == 2 and "--max-hours" in r.err, r.err
+    assert list(where.iterdir()) == []  # no journal, no j.sqlite.lock
+
+
 @pytest.mark.parametrize("hours", ["0", "-1", "-0.5"])
 def test_max_hours_must_be_positive(tmp_path, hours):
     path = tmp_path / "j.sqlite"

@@ -29,11 +29,12 @@ from kareus.backends.needs import (
     TransientUnmeasurable,
     measure_need,
 )
+from kareus.backends.registry import cost_model_kinds
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.hardware import GPUSpec
 from kareus.job.spec import JobSpec
-from kareus.store import Journal, JournalLike
+from kareus.store import Journal, JournalLike, in_use_note
 from kareus.workload.ops import Op
 from kareus.workload.partition import Partition
 
@@ -219,7 +220,7 @@ class JournalOnly:
         raise MissingMeasurement(
             f"journal {self.where} has no measurement of partition {partition.key} at "
             f"{knobs.label()} (backend {self._identity}); measure it with `kareus search` "
-            f"or `kareus profile` into this journal")
+            f"or `kareus profile` into this journal{in_use_note(self.where)}")
 
     def measure_ops(self, ops: Sequence[Op], freq_mhz: int, sms: int | None = None
                     ) -> Measurement:
@@ -227,7 +228,7 @@ class JournalOnly:
         raise MissingMeasurement(
             f"journal {self.where} has no measurement of the {need.what} at {freq_mhz} MHz "
             f"with {need.knobs.sms} SMs for collectives (backend {self._identity}); "
-            f"measure it with `kareus profile` into this journal")
+            f"measure it with `kareus profile` into this journal{in_use_note(self.where)}")
 
     def measure_transient(self, run: TransientRun, freq_mhz: int) -> Measurement:
         """Missing where the journal's backend measured wait transients (a replay must
@@ -240,4 +241,8 @@ class JournalOnly:
         raise MissingMeasurement(
             f"journal {self.where} has no measurement of the stage {run.stage} {run.direction}"
             f"'s wait transient after {run.wait_s * 1e3:g} ms at {freq_mhz} MHz (backend "
-            f"{self._identity}); optimize with the backend that measured this journal")
+            f"{self._identity}): a profile measures the wait transients last, after every "
+            f"step; measure them with `kareus profile` with this job's options and "
+            f"--journal {self.where}, or pass --fill-missing "
+            f"{' or '.join(cost_model_kinds())}"
+            f"{in_use_note(self.where)}")

@@ -20,7 +20,7 @@ from kareus.backends.journaled import JournaledBackend, JournalOnly
 from kareus.backends.registry import Agree, BackendSpec, Capabilities, CollectiveFactory
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
-from kareus.store import Journal, job_id
+from kareus.store import Journal, job_id, journal_exists
 from kareus.workload.workload import Workload
 
 
@@ -41,7 +41,7 @@ class ReplaySpec(BackendSpec):
         super().check(job, here)
         if not self.replay_journal:
             raise SpecError("the replay backend needs --replay-journal JOURNAL")
-        if not Path(self.replay_journal).is_file():
+        if not journal_exists(self.replay_journal):
             raise SpecError(f"journal not found: {self.replay_journal}")
 
     def journal_source(self) -> tuple[str, str | None] | None:
@@ -67,10 +67,8 @@ def open_replay(path: str | Path, job: JobSpec, identity: str | None = None,
     """``job``'s measurements in the journal at ``path`` by backend ``identity`` (the only
     one there if None), as a backend that measures nothing."""
     where = Path(path)
-    if not where.is_file():
-        raise KareusError(f"journal not found: {where}")
     jid = job_id(job)
-    with Journal(where) as j:
+    with Journal(where, read_only=True) as j:  # read, never written
         identity = _choose_identity(j, where, jid, identity)
         info = j.backend_info(identity)
         if info is None:

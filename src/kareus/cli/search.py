@@ -1,7 +1,6 @@
 """Commands that search or profile partitions and read journals: search, profile, journal."""
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -11,7 +10,6 @@ from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend, with_executor
-from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
@@ -106,9 +104,7 @@ def journal_cmd(
     json_out: JsonFlag = False,
 ) -> None:
     """List what a journal holds: measurements per job, partition and backend."""
-    if not Path(path).exists():
-        raise KareusError(f"journal not found: {path}")
-    with Journal(path) as j:
+    with Journal(path, read_only=True) as j:  # lists, changes nothing
         rows: list[dict[str, Any]] = j.summary()
     if json_out:
         print_json({"schema_version": SCHEMA_VERSION, "journal": path, "entries": rows})
@@ -185,16 +181,15 @@ def profile(
     workload = Workload.build(job)
     # the protocol (--window, --cooldown, --settle) is the backend's
     config = _profile_config(prior, strategy, backend.seed, tolerance, budget, batch_size)
-    if max_hours is not None and not max_hours > 0:
-        raise SpecError(f"--max-hours must be positive, got {max_hours}")
     run = prepare_profile(workload, journal, backend, config, partition,
                           composition=not partitions_only, executor=executor,
                           retries=ray_retries, policy=FitPolicy(enabled=not every_clock),
-                          dry_run=dry_run, prior=None if prior == "none" else prior)
+                          dry_run=dry_run, prior=None if prior == "none" else prior,
+                          max_hours=max_hours)
     if run.quiet:  # under torchrun: only rank 0 reports
         run.run()
         return
-    estimate = _estimate_within(run, max_hours)
+    estimate = _estimate(run)
     if dry_run:
         if json_out:
             print_json({"journal": journal, **estimate.to_dict()})
@@ -225,21 +220,15 @@ def _profile_config(prior: str, strategy: str, seed: int, tolerance: float,
                    batch_size=base.batch_size if batch_size is None else batch_size)
 
 
-def _estimate_within(run: ProfileRun, max_hours: float | None) -> CostSummary:
-    """The profile's estimate; a SpecError (the journal's lock released) above
-    ``max_hours`` node-hours."""
+def _estimate(run: ProfileRun) -> CostSummary:
+    """The profile's estimate (made by `prepare_profile` where it checked --max-hours);
+    the journal's lock is released if it fails."""
     try:
-        estimate = run.estimate()
-        if max_hours is not None and estimate.node_hours > max_hours:
-            raise SpecError(f"the profile's estimate, {estimate.node_hours:.2f} node-hours "
-                            f"({estimate.measurements:,} measurements), exceeds --max-hours "
-                            f"{max_hours:g}; lower --budget, profile fewer --partition, or "
-                            f"raise --max-hours")
+        return run.estimate()
     except BaseException:
         if run.lock is not None:
             run.lock.release()
         raise
-    return estimate
 
 
 def _print_profile(result: ProfileResult, journal: str) -> None:

@@ -78,6 +78,27 @@ class Lock:
         self.release()
 
 
+def held_by(path: str | Path) -> str | None:
+    """Who holds the lock on ``path`` ("pid N", or "another process" where it wrote no
+    PID yet); None where nobody does or no lock file is there. Nothing is created. (A
+    shared flock is taken for an instant to test it: a run taking the lock at that very
+    instant is refused as if this one held it.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        holder = _holder(fd)
+        return f"pid {holder}" if holder else "another process"
+    finally:
+        os.close(fd)  # drops the shared flock, if taken
+    return None
+
+
 def _holder(fd: int) -> int | None:
     """The PID the holder wrote into the lock file (None: not written yet)."""
     try:

@@ -59,7 +59,8 @@ class ResultDir(OwnedDir):
     lock_name = lock_file(JOURNAL).name
     written_files = ("result.json", "frontier.png", "report.md", _TIMELINES)
     written_dirs = (("plans", ".json"),)
-    scratch = (JOURNAL, f"{JOURNAL}-wal", f"{JOURNAL}-shm", f"{JOURNAL}-journal")
+    scratch = (JOURNAL, f"{JOURNAL}-wal", f"{JOURNAL}-shm", f"{JOURNAL}-journal",
+               f"{JOURNAL}.v1-backup")  # kareus.store: written before an upgrade
     content = "the result"
     not_written = ("the result was not written (the journal keeps every measurement: "
                    "rerun to write it)")

@@ -32,12 +32,19 @@ from kareus.backends.registry import (
     open_prior,
     spec_from_dict,
 )
-from kareus.core.lock import Lock, lock_file
+from kareus.core.lock import Lock
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
 from kareus.ray_support import ray_session
 from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.store import Journal, JournalError, job_id
+from kareus.store import (
+    Journal,
+    JournalError,
+    job_id,
+    journal_exists,
+    journal_lock_file,
+    recognise,
+)
 from kareus.workload.workload import Workload
 
 EXECUTORS = ("local", "ray")
@@ -350,12 +357,14 @@ def prepare_search(workload: Workload, keys: Sequence[str] | None, config: Searc
 
 
 def check_journal(journal: str) -> None:
-    """A journal that exists must open; one that does not is made by the run, in a
-    directory that must exist and be writable. Nothing is created here."""
+    """A journal that exists must be one (`recognise`: read, nothing written; an empty
+    file or another application's database is refused); one that does not is made by the
+    run, in a directory that must exist and be writable. Nothing is created here."""
     path = Path(journal)
-    if path.exists():
-        Journal(path).close()  # an existing journal: opening it adds nothing
+    if journal_exists(path):
+        recognise(path)
         return
+    path = Path(os.path.realpath(path))  # a link is made where it leads
     parent = path.parent
     if not parent.is_dir():
         raise JournalError(f"cannot create journal {path}: {parent} is not a directory")
@@ -365,8 +374,9 @@ def check_journal(journal: str) -> None:
 
 def journal_lock(journal: str) -> Lock:
     """The journal locked for one writer (`kareus profile`, or `kareus optimize` writing
-    the result directory it lies in): another one is refused, naming its PID."""
-    return Lock.take(lock_file(journal), f"journal {journal}")
+    the result directory it lies in): another one is refused, naming its PID. The lock
+    is the file's a link leads to (`journal_lock_file`): two names, one lock."""
+    return Lock.take(journal_lock_file(journal), f"journal {journal}")
 
 
 def search_partitions(workload: Workload, keys: Sequence[str] | None, config: SearchConfig,

@@ -51,7 +51,7 @@ from kareus.plans.power import plan_power
 from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
-from kareus.store import Journal, job_id
+from kareus.store import Journal, in_use_note, job_id
 from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_tasks, run_tasks
 from kareus.workflows.power_limited import iso_power, power_limited_megatron
 from kareus.workflows.profile import DEFAULT_PRIOR, check_profile, profile, torchrun_rank
@@ -248,7 +248,8 @@ def _refuse_missing(journal: str, composer: Composer, methods: Sequence[Method])
             f"journal {journal} lacks {len(missing)} measurements this job's "
             f"composition needs (backend {replay.identity()}): {summarize(missing)}; "
             f"measure them with `kareus profile` with this job's options and --journal "
-            f"{journal}, or pass --fill-missing {' or '.join(cost_model_kinds())}")
+            f"{journal}, or pass --fill-missing {' or '.join(cost_model_kinds())}"
+            f"{in_use_note(journal)}")
 
 
 def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,

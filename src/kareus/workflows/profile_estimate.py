@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 from kareus.backends.base import Backend
@@ -35,7 +34,7 @@ from kareus.backends.registry import BackendSpec, spec_from_options
 from kareus.core import Measurement, MeasurementProtocol
 from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig
-from kareus.store import Journal
+from kareus.store import Journal, job_id, journal_exists
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.profile import composition_needs
 from kareus.workflows.profile_cost import (
@@ -107,11 +106,11 @@ def _journaled(workload: Workload, journal: str, backend: BackendSpec, stack: Ex
                ) -> JournaledBackend | None:
     """The journal through the profile's backend, where it opens here and the journal
     exists (read only); else None: nothing is subtracted."""
-    if backend.capabilities.real_gpu or not Path(journal).is_file():
+    if backend.capabilities.real_gpu or not journal_exists(journal):
         return None
-    store = stack.enter_context(Journal(journal))
+    store = stack.enter_context(Journal(journal, read_only=True))
     inner = stack.enter_context(backend.open(workload))
-    return JournaledBackend(inner, store, store.register_job(workload.job), record=False)
+    return JournaledBackend(inner, store, job_id(workload.job), record=False)
 
 
 def _search_settles(n: int, clocks: int, config: SearchConfig, with_prior: bool) -> float:

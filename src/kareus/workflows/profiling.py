@@ -48,6 +48,8 @@ class ProfileRun:
     lock: Lock | None = None
     """The journal's lock (`journal_lock`), taken by `prepare_profile` once every input
     was checked, released when `run` ends; None on a torchrun rank other than 0."""
+    estimated: CostSummary | None = None
+    """The estimate `prepare_profile` made (a dry run, or to check ``max_hours``)."""
 
     @property
     def quiet(self) -> bool:
@@ -55,7 +57,10 @@ class ProfileRun:
         return torchrun_rank() != 0
 
     def estimate(self) -> CostSummary:
-        """What the run will measure and cost (`kareus profile --dry-run`)."""
+        """What the run will measure and cost (`kareus profile --dry-run`): the one
+        `prepare_profile` made, or made now (the journal read, nothing written)."""
+        if self.estimated is not None:
+            return self.estimated
         return estimate_profile(self.workload, self.journal, self.backend, self.config,
                                 self.keys, self.composition, self.policy, self.executor,
                                 self.prior)
@@ -82,12 +87,16 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
                     config: SearchConfig, keys: Sequence[str] | None = None,
                     composition: bool = True, executor: ExecutorSpec | None = None,
                     retries: int = 2, policy: FitPolicy | None = None,
-                    dry_run: bool = False, prior: str | None = None) -> ProfileRun:
+                    dry_run: bool = False, prior: str | None = None,
+                    max_hours: float | None = None) -> ProfileRun:
     """`kareus profile`, checked before any work starts (and before any progress shows):
     the journal opens (or can be made: `check_journal`), the keys exist, the backend's and
-    the search's settings hold (on Ray the GPU is checked where it opens, on a rank);
-    then the journal is locked for the run (`journal_lock`; not on a torchrun rank other
-    than 0, which does not write it)."""
+    the search's settings hold (on Ray the GPU is checked where it opens, on a rank), the
+    estimate is within ``max_hours`` node-hours; then, last, so that a refusal creates
+    nothing, the journal is locked for the run (`journal_lock`; not for a dry run, nor on
+    a torchrun rank other than 0, which does not write it)."""
+    if max_hours is not None and not max_hours > 0:
+        raise SpecError(f"--max-hours must be positive, got {max_hours}")
     if config.strategy not in PROFILE_STRATEGIES:
         raise SpecError(f"--strategy must be {' or '.join(PROFILE_STRATEGIES)}, got "
                         f"{config.strategy!r}")
@@ -109,6 +118,14 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     policy.check()
     run = ProfileRun(workload, journal, backend, config, chosen, composition, executor,
                      retries, policy, prior)
+    if not run.quiet and (dry_run or max_hours is not None):
+        run.estimated = run.estimate()
+        hours = run.estimated.node_hours
+        if max_hours is not None and hours > max_hours:
+            raise SpecError(f"the profile's estimate, {hours:.2f} node-hours "
+                            f"({run.estimated.measurements:,} measurements), exceeds "
+                            f"--max-hours {max_hours:g}; lower --budget, profile fewer "
+                            f"--partition, or raise --max-hours")
     if not run.quiet and not dry_run:  # last: a refusal creates nothing
         run.lock = journal_lock(journal)
     return run
