@@ -12,6 +12,7 @@ from kareus.core.atomic import mark
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
 from kareus.results.resultdir import MARKER
+from kareus.store import Journal
 from kareus.workflows import compare
 from kareus.workflows.compare import METRIC_COLUMNS, run_suite
 from kareus.workflows.optimize import OptimizeRun
@@ -141,7 +142,7 @@ def test_a_killed_runs_leftovers_do_not_block_a_rerun(tmp_path, monkeypatch):
     _tiny(monkeypatch)
     out = tmp_path / "D"
     (out / "kareus-1").mkdir(parents=True)  # killed before its first swap: only a journal
-    (out / "kareus-1" / "journal.sqlite").write_bytes(b"")
+    Journal(out / "kareus-1" / "journal.sqlite").close()  # made whole, holding nothing yet
     left = out / ".kareus-1.tmp-abc"  # a preset's temporary result, marked
     left.mkdir()
     mark(left, MARKER)
