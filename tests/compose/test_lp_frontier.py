@@ -105,3 +105,55 @@ def test_lower_hull_is_convex_and_below_every_point(points):
         if xs[0] <= x <= xs[-1]:
             assert np.interp(x, xs, [h[1] for h in hull]) <= y + 1e-9 * max(1.0, y)
     assert min(h[1] for h in hull) == pytest.approx(min(y for _x, y in points))
+
+
+class _EndlessSolve:
+    """A HiGHS stand-in whose solve never ends; its wait is where a signal arrives."""
+
+    def __init__(self, signal_on_wait: int) -> None:
+        import threading
+
+        self.waits = 0
+        self.signal_on_wait = signal_on_wait
+        self.cancelled = False
+        self.thread = threading.Thread(target=lambda: None)
+
+    def startSolve(self):
+        self.thread.start()
+        return self.thread
+
+    def wait(self, timeout_s):
+        self.waits += 1
+        if self.waits == self.signal_on_wait:
+            from kareus.cli import Terminated
+
+            raise Terminated()  # what the SIGTERM handler raises in the waiting thread
+        return (False, None)
+
+    def cancelSolve(self):
+        self.cancelled = True
+
+
+def test_a_signal_during_a_solve_stops_it_and_goes_on():
+    """Issue 34: the solve ran in the main thread, and a long one (33 s at 16 stages x
+    1,024 microbatches) held SIGTERM for its whole length."""
+    from kareus.cli import Terminated
+    from kareus.compose.lp_frontier import solve_answering_signals
+
+    h = _EndlessSolve(signal_on_wait=3)
+    with pytest.raises(Terminated):
+        solve_answering_signals(h)
+    assert h.cancelled and h.waits == 3
+
+
+def test_a_real_solve_in_its_own_thread_is_the_same_solve():
+    import highspy
+
+    from kareus.compose.lp_frontier import _highs, solve_answering_signals
+
+    # minimise -x - y with x + y <= 1, x - y <= 0.5 on [0, 1]^2
+    h = _highs(np.zeros(2), np.ones(2), np.array([-1.0, -2.0]),
+               [([0, 1], [1.0, 1.0], -highspy.kHighsInf, 1.0)])
+    solve_answering_signals(h)
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    assert h.getSolution().col_value == pytest.approx([0.0, 1.0])
