@@ -140,15 +140,7 @@ def with_backend(default: str = "emulator", measurements: bool = False
         ("replay_identity", Annotated[Optional[str], _opt(
             "--replay-identity", panel=p, help="Replay: which backend's measurements, when "
             "the journal holds several.")], None),
-        ("window", Annotated[Optional[float], _opt(
-            "--window", panel=p, help="Measurement window, s (default 5).",
-            callback=number(positive=True))], None),
-        ("cooldown", Annotated[Optional[float], _opt(
-            "--cooldown", panel=p, help="Cooldown after a measurement, s (default 5).",
-            callback=number())], None),
-        ("settle", Annotated[Optional[float], _opt(
-            "--settle", panel=p, help="Settle after a clock change, s (default 2).",
-            callback=number())], None),
+        *_protocol_options(p),
     ]
 
     if measurements:
@@ -186,6 +178,19 @@ def with_backend(default: str = "emulator", measurements: bool = False
         return spec_from_options(name, given)
 
     return injects("backend", options, build)
+
+
+def _protocol_options(p: str) -> list[Option]:
+    return [
+        ("window", Annotated[Optional[float], _opt(
+            "--window", panel=p, help="Measurement window, s (default 5).",
+            callback=number(positive=True))], None),
+        ("cooldown", Annotated[Optional[float], _opt(
+            "--cooldown", panel=p, help="Cooldown after a measurement, s (default 5).",
+            callback=number())], None),
+        ("settle", Annotated[Optional[float], _opt(
+            "--settle", panel=p, help="Settle after a clock change, s (default 2).",
+            callback=number())], None)]
 
 
 def _power_limit_options(p: str) -> list[Option]:

@@ -36,6 +36,9 @@ plan_app = typer.Typer(help="Choose, list, show or export the plans of a result.
 app.add_typer(plan_app, name="plan")
 
 ResultOpt = Annotated[str, typer.Option("--result", help="Directory of `kareus optimize`.")]
+PowerWindowOpt = Annotated[float, float_option(
+    "--power-window-s", positive=True, help="Window of the moving average of the cluster "
+    "power (its peak, under a cap), s.")]
 PlanOpt = Annotated[str, typer.Option("--plan", help="Plan id, e.g. kareus-012 (`kareus plan "
                                                      "list` lists them).")]
 
@@ -64,22 +67,20 @@ def plan(
     energy_budget: Annotated[Optional[str], typer.Option(
         "--energy-budget", help=ENERGY_HELP, metavar="ENERGY")] = None,
     power_cap_kw: Annotated[Optional[float], float_option(
-        "--power-cap-kw", help="Cluster power cap, kW: only plans whose peak (the moving "
-        "average over --power-window-s) stays under it; alone, the fastest of them.",
-        positive=True)] = None,
+        "--power-cap-kw", positive=True, help="Cluster power cap, kW: only plans whose peak "
+        "(the moving average over --power-window-s) stays under it; alone, the fastest of "
+        "them.")] = None,
     power_cap_w_per_gpu: Annotated[Optional[float], float_option(
-        "--power-cap-w-per-gpu", help="The cap per GPU, W (times the job's GPUs).",
-        positive=True)] = None,
-    power_window_s: Annotated[float, float_option(
-        "--power-window-s", help="Window of the power cap's moving average, s.",
-        positive=True)] = 1.0,
+        "--power-cap-w-per-gpu", positive=True, help="The cap per GPU, W (times the job's "
+        "GPUs).")] = None,
+    power_window_s: PowerWindowOpt = 1.0,
     iterations: Annotated[Optional[int], typer.Option(
         "--iterations", help="A training run of this many iterations: its time, GPU "
-        "energy (and cost, emissions) against Megatron-LM at max clock "
-        f"(at most {MAX_ITERATIONS:,}).")] = None,
+        f"energy (and cost, emissions) against Megatron-LM at max clock (at most "
+        f"{MAX_ITERATIONS:,}).")] = None,
     train_tokens: Annotated[Optional[float], float_option(
-        "--train-tokens", help="The same, for a run over this many tokens (at most "
-        f"{MAX_TRAIN_TOKENS:g}).", positive=True, at_most=MAX_TRAIN_TOKENS)] = None,
+        "--train-tokens", positive=True, at_most=MAX_TRAIN_TOKENS, help="The same, for a "
+        f"run over this many tokens (at most {MAX_TRAIN_TOKENS:g}).")] = None,
     price_per_kwh: Annotated[Optional[float], float_option(
         "--price-per-kwh", help="Electricity price per kWh, for the run's cost.")] = None,
     grid_g_co2_per_kwh: Annotated[Optional[float], float_option(
@@ -298,9 +299,7 @@ def plan_show(
                             "--power-cap-kw.")] = None,
     power_cap_kw: Annotated[Optional[float], float_option(
         "--power-cap-kw", help="The power panels' cap line, kW.", positive=True)] = None,
-    power_window_s: Annotated[float, float_option(
-        "--power-window-s", help="The power panels' moving average window, s.",
-        positive=True)] = 1.0,
+    power_window_s: PowerWindowOpt = 1.0,
     force: Annotated[bool, typer.Option(
         "--force", help="Overwrite the --png / --power-png file if it exists (never a "
                         "result directory's own files).", metavar="")] = False,
