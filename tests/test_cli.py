@@ -298,3 +298,93 @@ def test_profile_on_fakegpu_without_torch_is_one_line_before_any_work(cli, tmp_p
     assert r.err.strip().splitlines() == [r.err.strip()]
     assert "PyTorch" in r.err and "pip install -e '.[gpu]'" in r.err
     assert r.out == "" and not journal.exists()
+
+
+# Issue 34: sizes, seeds and float options refused in one line, before anything exists.
+
+def test_a_hundred_million_microbatches_is_one_line_at_once(cli):
+    """It used to grow to 13.7 GB in 55 s."""
+    r = cli("simulate", "-p", "kareus-1", "--method", "megatron", "--microbatches",
+            "100000000")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "num_microbatches: 100000000 is over Kareus's limit of 16,384" in r.err
+
+
+@pytest.mark.parametrize("size", [("--nodes", "1000000"), ("--seq", "10" * 20),
+                                  ("--mbs", "99999999"), ("--pp", "5000"),
+                                  ("--gpus-per-node", "100000")])
+@pytest.mark.parametrize("command", [["simulate", "--method", "megatron"], ["partitions"],
+                                     ["optimize", "--out", "OUT"]])
+def test_every_size_is_bounded_in_every_command(cli, tmp_path, command, size):
+    out = tmp_path / "o"
+    r = cli(*[str(out) if a == "OUT" else a for a in command], "-p", "kareus-1", *size)
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "is over Kareus's limit of" in r.err
+    assert not out.exists()
+
+
+SEEDED = [["optimize", "-p", "kareus-1", "--out", "PATH"],
+          ["profile", "-p", "kareus-1", "--backend", "emulator", "--journal", "PATH"],
+          ["search", "-p", "kareus-1", "--journal", "PATH"],
+          ["compare", "--out", "PATH"]]
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(10**30)])
+@pytest.mark.parametrize("command", SEEDED, ids=lambda c: c[0])
+def test_a_seed_out_of_range_is_refused_before_anything_exists(cli, tmp_path, command,
+                                                               seed):
+    path = tmp_path / "made"
+    r = cli(*[str(path) if a == "PATH" else a for a in command], "--seed", seed)
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "--seed must be 0..4294967295" in r.err
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+FLOAT_OPTIONS = [  # (command, option, must be > 0 rather than >= 0)
+    (["search", "-p", "kareus-1", "--journal", "PATH"], "--noise", False),
+    (["search", "-p", "kareus-1", "--journal", "PATH"], "--tolerance", False),
+    (["search", "-p", "kareus-1", "--journal", "PATH"], "--window", True),
+    (["search", "-p", "kareus-1", "--journal", "PATH"], "--cooldown", False),
+    (["search", "-p", "kareus-1", "--journal", "PATH"], "--settle", False),
+    (["search", "-p", "kareus-1", "--journal", "PATH"], "--ray-timeout", True),
+    (["profile", "-p", "kareus-1", "--journal", "PATH"], "--power-limit-w", True),
+    (["profile", "-p", "kareus-1", "--backend", "emulator", "--journal", "PATH"],
+     "--max-hours", True),
+    (["optimize", "-p", "kareus-1", "--out", "PATH"], "--tolerance", False),
+    (["compare", "--out", "PATH"], "--noise", False),
+    (["import-perseus", "examples/perseus-profile.csv", "--microbatches", "4", "--out",
+      "PATH"], "--static-power-w", False),
+    (["import-perseus", "examples/perseus-profile.csv", "--microbatches", "4",
+      "--static-power-w", "50", "--out", "PATH"], "--p2p-time-s", False),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "positive", "value"), [
+    (c, o, p, v) for c, o, p in FLOAT_OPTIONS
+    for v in ["inf", "-inf", "nan", "-1", "1e400"] + (["0"] if p else [])],
+    ids=lambda x: x[0] if isinstance(x, list) else str(x))
+def test_float_options_refuse_what_means_nothing(cli, tmp_path, monkeypatch, command, option,
+                                                 positive, value):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # examples/
+    path = tmp_path / "made"
+    r = cli(*[str(path) if a == "PATH" else a for a in command], option, value)
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert option in r.err and ("must be positive and finite" if positive else
+                                "must be a finite number >= 0") in r.err
+    assert not path.exists()
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True), st.booleans())
+def test_check_number_accepts_finite_values_in_range_only(value, positive):
+    import math
+
+    from kareus.cli.options import check_number
+    from kareus.errors import SpecError
+
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    try:
+        assert check_number("--x", value, positive=positive) == value and ok
+    except SpecError as exc:
+        assert not ok and str(exc).startswith("--x must be ") and "\n" not in str(exc)

@@ -136,3 +136,55 @@ def test_phillips_dessouky_reaches_the_fast_end():
     times = np.linspace(lp[0].time_s, walked, 50)  # the stretch the walk left
     ratio = _energy_at(pd, times) / _energy_at(lp, times)
     assert ratio.max() <= 1.001, f"PD above the LP by {ratio.max() - 1:.3%} at the fast end"
+
+
+class _EndlessSolve:
+    """A HiGHS stand-in whose solve never ends; its wait is where a signal arrives."""
+
+    def __init__(self, signal_on_wait: int) -> None:
+        import threading
+
+        self.waits = 0
+        self.signal_on_wait = signal_on_wait
+        self.cancelled = False
+        self.thread = threading.Thread(target=lambda: None)
+
+    def startSolve(self):
+        self.thread.start()
+        return self.thread
+
+    def wait(self, timeout_s):
+        self.waits += 1
+        if self.waits == self.signal_on_wait:
+            from kareus.cli import Terminated
+
+            raise Terminated()  # what the SIGTERM handler raises in the waiting thread
+        return (False, None)
+
+    def cancelSolve(self):
+        self.cancelled = True
+
+
+def test_a_signal_during_a_solve_stops_it_and_goes_on():
+    """Issue 34: the solve ran in the main thread, and a long one (33 s at 16 stages x
+    1,024 microbatches) held SIGTERM for its whole length."""
+    from kareus.cli import Terminated
+    from kareus.compose.lp_frontier import solve_answering_signals
+
+    h = _EndlessSolve(signal_on_wait=3)
+    with pytest.raises(Terminated):
+        solve_answering_signals(h)
+    assert h.cancelled and h.waits == 3
+
+
+def test_a_real_solve_in_its_own_thread_is_the_same_solve():
+    import highspy
+
+    from kareus.compose.lp_frontier import _highs, solve_answering_signals
+
+    # minimise -x - y with x + y <= 1, x - y <= 0.5 on [0, 1]^2
+    h = _highs(np.zeros(2), np.ones(2), np.array([-1.0, -2.0]),
+               [([0, 1], [1.0, 1.0], -highspy.kHighsInf, 1.0)])
+    solve_answering_signals(h)
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    assert h.getSolution().col_value == pytest.approx([0.0, 1.0])

@@ -1,10 +1,14 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kareus.core.jsonfile import MAX_DEPTH, check_depth, read_json_object
 from kareus.errors import SpecError
 from kareus.job.presets import JOB_PRESETS
 from kareus.job.sources import build_job, load_hf_config
+from kareus.job.spec import MAX_MICROBATCHES
 
 
 @pytest.mark.parametrize("name", list(JOB_PRESETS))
@@ -154,3 +158,142 @@ def test_any_positive_micro_batch_size_is_a_job(mbs, splits):
     else:
         with pytest.raises(SpecError, match=r"no nanobatches.*even micro-batch size >= 2"):
             _ = job.nanobatch_size
+
+
+# Issue 34: bounds on every size, refusals of configs Kareus would model wrongly, and
+# documents nested too deep, each one SpecError line.
+
+LLAMA_405B = dict(name="llama3.1-405b-like", hidden_size=16384, num_layers=126,
+                  num_attention_heads=128, num_kv_heads=8, ffn_hidden_size=53248,
+                  vocab_size=128256)
+
+
+def test_the_largest_public_run_is_within_every_bound():
+    """Llama 3 405B's shape on 16,384 GPUs (TP8, PP16, 8k tokens, 16 microbatches)."""
+    job = build_job(overrides=dict(model=LLAMA_405B, tp=8, pp=16, seq_length=8192,
+                                   micro_batch_size=1, num_microbatches=16, nodes=2048,
+                                   gpus_per_node=8, gpu="H100-SXM"))
+    assert job.num_gpus == 16384 and job.dp == 128
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"num_microbatches": 100_000_000}, "num_microbatches: 100000000 is over Kareus's limit "
+                                        "of 16,384"),
+    ({"seq_length": 2**40}, "seq_length: 1099511627776 is over Kareus's limit of 4,194,304"),
+    ({"micro_batch_size": 10**6}, "micro_batch_size: 1000000 is over Kareus's limit"),
+    ({"nodes": 10**9}, "nodes: 1000000000 is over Kareus's limit of 131,072"),
+    ({"nodes": 100_000}, "100000 nodes x 8 GPUs = 800,000 GPUs is over Kareus's limit of "
+                         "131,072"),
+    ({"gpus_per_node": 4096}, "gpus_per_node: 4096 is over Kareus's limit of 1,024"),
+    ({"tp": 10**12}, "tp: 1000000000000 is over Kareus's limit"),
+    ({"pp": 10**6}, "pp: 1000000 is over Kareus's limit of 1,024"),
+    ({"virtual_pipeline": 10**6}, "virtual_pipeline: 1000000 is over Kareus's limit"),
+    ({"dp": 10**7}, "dp: 10000000 is over Kareus's limit"),
+    ({"sm_choices_all_reduce": [3] * 1000}, "sm_choices_all_reduce: more than Kareus's "
+                                            "limit of 256 entries"),
+    ({"search_freqs_mhz": [1410] * 10**5}, "search_freqs_mhz: more than Kareus's limit"),
+    ({"model": {**LLAMA_405B, "num_layers": 10**6}}, "num_layers: 1000000 is over Kareus's "
+                                                     "limit of 1,024"),
+    ({"model": {**LLAMA_405B, "hidden_size": 10**30}}, "hidden_size"),
+    ({"model": {**LLAMA_405B, "vocab_size": 10**9}}, "vocab_size: 1000000000 is over"),
+])
+def test_sizes_over_their_limit_are_one_line_naming_it(overrides, message):
+    with pytest.raises(SpecError) as info:
+        build_job("kareus-1", overrides=overrides)
+    text = str(info.value)
+    assert message in text and "\n" not in text and len(text) < 200
+
+
+def test_pipeline_instructions_are_bounded():
+    """Stages x microbatches x 2, what simulating an iteration grows with: at the limit a
+    job, over it one line."""
+    at_limit = {"num_microbatches": 16384, "virtual_pipeline": 4,
+                "layers_per_stage": [4, 4, 4, 4, 3, 3, 3, 3]}
+    assert build_job("kareus-1", overrides=at_limit).virtual_stages == 8
+    with pytest.raises(SpecError, match="16 stages x 16384 microbatches x 2 = 524,288 "
+                                        "pipeline instructions is over Kareus's limit of "
+                                        "262,144"):
+        build_job("kareus-1", overrides={"num_microbatches": 16384, "virtual_pipeline": 8})
+
+
+@given(st.integers(min_value=-(10**30), max_value=10**30))
+@settings(max_examples=60, deadline=None)
+def test_any_microbatch_count_is_a_job_or_one_line(n):
+    try:
+        job = build_job("kareus-1", overrides={"num_microbatches": n})
+    except SpecError as exc:
+        assert "\n" not in str(exc) and len(str(exc)) < 200
+        assert n < 1 or n > MAX_MICROBATCHES
+        if n > MAX_MICROBATCHES:
+            assert f"limit of {MAX_MICROBATCHES:,}" in str(exc)
+    else:
+        assert 1 <= job.num_microbatches <= MAX_MICROBATCHES
+
+
+def test_hidden_size_must_split_into_the_heads(tmp_path):
+    cfg = {"hidden_size": 1000, "num_hidden_layers": 4, "num_attention_heads": 3,
+           "intermediate_size": 4096, "vocab_size": 32000}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(SpecError, match="hidden_size 1000 is not divisible by the 3 "
+                                        "attention heads; give head_dim"):
+        load_hf_config(p)
+    p.write_text(json.dumps({**cfg, "head_dim": 256}))  # an explicit head size is taken
+    assert load_hf_config(p).head_dim == 256
+
+
+DENSE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("moe", [
+    {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+    {"model_type": "qwen2_moe", "num_experts": 60},
+    {"model_type": "deepseek_v3", "n_routed_experts": 256},
+    {"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}},
+], ids=["mixtral", "qwen-moe", "deepseek", "dbrx"])
+def test_mixture_of_experts_configs_are_refused(tmp_path, moe):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**DENSE, **moe}))
+    with pytest.raises(SpecError, match=r"a mixture-of-experts model .* Kareus models dense "
+                                        r"transformers only"):
+        load_hf_config(p)
+    with pytest.raises(SpecError, match="mixture-of-experts"):  # inline, in a job
+        build_job("kareus-1", overrides={"model": {**DENSE, **moe}})
+
+
+def test_one_expert_is_a_dense_model(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**DENSE, "num_local_experts": 1, "num_experts": 0}))
+    assert load_hf_config(p).num_layers == 32
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 5_000, 200_000])
+def test_configs_nested_too_deep_are_one_line(tmp_path, depth):
+    p = tmp_path / "config.json"
+    p.write_text('{"a": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(SpecError, match=f"nested deeper than {MAX_DEPTH} levels"):
+        load_hf_config(p)
+    job = tmp_path / "job.yaml"
+    job.write_text("model: llama3.2-3b\nx: " + "[" * depth + "]" * depth + "\n")
+    with pytest.raises(SpecError, match=f"nested deeper than {MAX_DEPTH} levels"):
+        build_job(config=job)
+
+
+def test_nesting_up_to_the_limit_is_read(tmp_path):
+    p = tmp_path / "doc.json"
+    p.write_text('{"a": ' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}")
+    assert isinstance(read_json_object(p, "doc")["a"], list)
+    p.write_text('{"a": ' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}")
+    with pytest.raises(SpecError, match=f"doc {p}: nested deeper than {MAX_DEPTH} levels"):
+        read_json_object(p, "doc")
+    check_depth(_nested(MAX_DEPTH), "doc")  # parsed YAML too: dicts, lists
+    with pytest.raises(SpecError, match="nested deeper"):
+        check_depth({"x": _nested(MAX_DEPTH)}, "doc")
+
+
+def _nested(depth: int) -> list:
+    doc: list = []
+    for _ in range(depth - 1):
+        doc = [doc]
+    return doc

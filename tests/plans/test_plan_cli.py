@@ -11,8 +11,11 @@ import stat
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kareus.core.atomic import mark
+from kareus.plans.run_cost import MAX_TRAIN_TOKENS
 from kareus.results.resultdir import ResultDir
 from tests.conftest import run_cli
 
@@ -329,3 +332,62 @@ def test_plan_without_an_objective_suggests_plan_list(rd):
 def test_plan_json_reports_the_plan_file(rd):
     d = _plan_json(rd, "--min-energy")
     assert json.loads(Path(d["path"]).read_text())["id"] == d["id"]
+
+
+# Issue 34: float options that mean nothing (inf, nan, negative) and sizes past their limit
+# are one line and exit 2; nothing is drawn.
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--train-tokens", "inf"], "--train-tokens must be positive and finite, got inf"),
+    (["--train-tokens", "nan"], "--train-tokens must be positive and finite, got nan"),
+    (["--train-tokens", "1e300"], "--train-tokens 1e+300 is over Kareus's limit of 1e+15"),
+    (["--iterations", str(10**12)], "--iterations 1000000000000 is over Kareus's limit of "
+                                    "1,000,000,000"),
+    (["--power-cap-kw", "inf"], "--power-cap-kw must be positive and finite, got inf"),
+    (["--power-cap-w-per-gpu", "nan"], "--power-cap-w-per-gpu must be positive and finite"),
+    (["--power-cap-kw", "100", "--power-window-s", "inf"],
+     "--power-window-s must be positive and finite, got inf"),
+    (["--power-cap-kw", "100", "--power-window-s", "nan"],
+     "--power-window-s must be positive and finite, got nan"),
+    (["--iterations", "10", "--price-per-kwh", "-0.1"],
+     "--price-per-kwh must be a finite number >= 0, got -0.1"),
+    (["--iterations", "10", "--grid-g-co2-per-kwh", "inf"],
+     "--grid-g-co2-per-kwh must be a finite number >= 0, got inf"),
+])
+def test_plan_refuses_numbers_that_mean_nothing(rd, args, message):
+    err = _one_line_error(run_cli("plan", "--result", str(rd.path), "--max-throughput",
+                                  *args))
+    assert message in err
+
+
+@given(st.floats(min_value=1.0, max_value=1e300))
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_token_count_is_a_readable_line_or_one_error(rd, tokens):
+    r = run_cli("plan", "--result", str(rd.path), "--max-throughput", "--train-tokens",
+                repr(tokens))
+    if tokens > MAX_TRAIN_TOKENS:
+        assert "is over Kareus's limit of 1e+15" in _one_line_error(r)
+        return
+    assert r.code == 0, r.err
+    line = next(x for x in r.out.splitlines() if x.startswith("training run:"))
+    assert len(line) < 200, line  # 1e300 used to print hundreds of digits
+
+
+@pytest.mark.parametrize("cap", ["inf", "nan", "-1", "0"])
+def test_plan_show_refuses_a_cap_line_that_means_nothing(rd, pid, tmp_path, cap):
+    """inf drew NaN axis limits: a traceback, after --png was checked."""
+    png, power = tmp_path / "t.png", tmp_path / "p.png"
+    err = _one_line_error(run_cli("plan", "show", "--result", str(rd.path), "--plan", pid,
+                                  "--power-cap-kw", cap, "--png", str(png),
+                                  "--power-png", str(power)))
+    assert "--power-cap-kw must be positive and finite" in err
+    assert not png.exists() and not power.exists()
+
+
+@pytest.mark.parametrize("window", ["inf", "nan", "-2", "0"])
+def test_plan_show_refuses_a_window_that_means_nothing(rd, pid, tmp_path, window):
+    png = tmp_path / "p.png"
+    err = _one_line_error(run_cli("plan", "show", "--result", str(rd.path), "--plan", pid,
+                                  "--power-window-s", window, "--power-png", str(png)))
+    assert "--power-window-s must be positive and finite" in err and not png.exists()

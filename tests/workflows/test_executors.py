@@ -91,6 +91,7 @@ def test_search_table_output():
     (["--partition", "fwd_mlp", "--prior", "oracle"], "unknown prior"),
     (["--partition", "fwd_mlp", "--initial", "0"], "at least 1 setting"),
     (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "100000000"], "--workers 100000000 is over Kareus's limit of 1,024"),
 ])
 def test_search_bad_arguments(extra, message):
     r = run_cli("search", "-p", "kareus-1", *extra)
@@ -156,3 +157,14 @@ def test_a_journal_reached_through_a_link_has_the_lock_of_its_file(tmp_path, com
         "J.sqlite", "J.sqlite.lock", "alias.sqlite"]
     with journal_lock(str(alias)), pytest.raises(KareusError, match="in use"):
         journal_lock(str(real))
+
+
+def test_a_pool_never_starts_more_processes_than_tasks(monkeypatch):
+    """A pool starts all of its workers at once (issue 34: --workers was unbounded)."""
+    import kareus.workflows.executors as executors
+
+    started = []
+    monkeypatch.setattr(executors, "_run_pool",
+                        lambda tasks, workers, progress: started.append(workers) or [])
+    run_tasks(_tasks(), ExecutorSpec(workers=1000))
+    assert started == [len(_tasks())]

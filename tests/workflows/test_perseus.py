@@ -318,3 +318,14 @@ def test_a_symlinked_out_gets_the_plans_in_its_target(tmp_path):
     assert (tmp_path / "out").is_symlink()
     assert json.loads((target / "summary.json").read_text())["static_power_w"] == 60
     assert not list(tmp_path.rglob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_a_profile_nested_too_deep_is_one_line(tmp_path, depth):
+    """Issue 34: a RecursionError traceback at 100,000 levels."""
+    src = tmp_path / "deep.json"
+    src.write_text("[" * depth + "]" * depth)
+    r = _import(tmp_path, src, "--static-power-w", "50")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "nested deeper than 64 levels" in r.err
+    assert not (tmp_path / "out").exists()

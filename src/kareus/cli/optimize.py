@@ -8,7 +8,7 @@ import typer
 from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, pct, print_json, stderr_console, table
 from kareus.cli.job import with_job
-from kareus.cli.options import with_backend, with_executor
+from kareus.cli.options import float_option, seed_option, with_backend, with_executor
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import ISO_REFERENCE, display_name
 from kareus.plans.units import format_energy_j, format_time_s
@@ -33,7 +33,7 @@ def optimize(
     out: Annotated[str, typer.Option("--out", help="Directory for the result.")],
     budget: Annotated[int, typer.Option(
         "--budget", help="Search samples per partition.")] = 100,
-    tolerance: Annotated[float, typer.Option(
+    tolerance: Annotated[float, float_option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace the result of another job in --out (the journal keeps "
@@ -126,8 +126,8 @@ def compare(
                      ] = "kareus",
     budget: Annotated[int, typer.Option(
         "--budget", help="Search samples per partition, per preset.")] = 100,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of everything random.")] = 0,
-    noise: Annotated[float, typer.Option(
+    seed: Annotated[int, seed_option("--seed", help="Seed of everything random.")] = 0,
+    noise: Annotated[float, float_option(
         "--noise", help="Emulator measurement noise: relative std of time and dynamic "
                         "energy.")] = 0.0,
     workers: Annotated[Optional[int], typer.Option(

@@ -4,6 +4,7 @@ dozen parameters."""
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Annotated, Any, Optional, TypeVar
 
@@ -47,8 +48,60 @@ def injects(param: str, options: list[Option], build: Callable[[dict[str, Any]],
     return decorate
 
 
-def _opt(*decls: str, help: str, panel: str, metavar: str | None = None) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=panel, metavar=metavar)
+def _opt(*decls: str, help: str, panel: str, metavar: str | None = None, **kw: Any) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=panel, metavar=metavar, **kw)
+
+
+MAX_SEED = 2**32 - 1
+"""Seeds are 0..2^32-1, the range every seeded generator takes (numpy's legacy one too)."""
+
+
+def check_number(option: str, value: float, *, positive: bool = False,
+                 at_most: float | None = None) -> float:
+    """``value`` of ``option`` if it is a finite number, > 0 when ``positive`` (a size, a
+    cap, a duration that must pass), else >= 0, and at most ``at_most``; else SpecError.
+    No float option means anything when infinite, NaN or negative (issue 34: inf
+    overflowed, or passed every cap, NaN printed "nan kW")."""
+    if positive and not (math.isfinite(value) and value > 0):
+        raise SpecError(f"{option} must be positive and finite, got {value:g}")
+    if not (math.isfinite(value) and value >= 0):
+        raise SpecError(f"{option} must be a finite number >= 0, got {value:g}")
+    if at_most is not None and value > at_most:
+        raise SpecError(f"{option} {value:g} is over Kareus's limit of {at_most:g}")
+    return value
+
+
+def number(*, positive: bool = False, at_most: float | None = None
+           ) -> Callable[[typer.CallbackParam, Optional[float]], Optional[float]]:
+    """The callback every float option has: `check_number` as the option is parsed, so a
+    bad value is refused before the command does anything (``None``: not given)."""
+
+    def check(param: typer.CallbackParam, value: Optional[float]) -> Optional[float]:
+        if value is None:
+            return None
+        name = max(param.opts, key=len) if param.opts else str(param.name)
+        return check_number(name, value, positive=positive, at_most=at_most)
+
+    return check
+
+
+def float_option(*decls: str, help: str, positive: bool = False,
+                 at_most: float | None = None, **kw: Any) -> Any:
+    """A typer.Option for a float, checked by `number`."""
+    return typer.Option(*decls, help=help, callback=number(positive=positive,
+                                                           at_most=at_most), **kw)
+
+
+def _check_seed(param: typer.CallbackParam, value: int) -> int:
+    if not 0 <= value <= MAX_SEED:
+        raise SpecError(f"--seed must be 0..{MAX_SEED}, got {value}")
+    return value
+
+
+def seed_option(*decls: str, help: str, **kw: Any) -> Any:
+    """The --seed option of every command: 0..`MAX_SEED`, refused as it is parsed (before
+    any directory or journal exists)."""
+    return typer.Option(*decls, help=help, callback=_check_seed, **kw)
 
 
 def with_backend(default: str = "emulator", measurements: bool = False
@@ -65,9 +118,9 @@ def with_backend(default: str = "emulator", measurements: bool = False
             "with a simulated energy counter (the GPU path without a GPU).")], default),
         ("noise", Annotated[float, _opt(
             "--noise", panel=p, help="Emulator measurement noise: relative std of time and "
-            "dynamic energy.")], 0.0),
-        ("seed", Annotated[int, _opt("--seed", panel=p, help="Seed of everything random.")],
-         0),
+            "dynamic energy.", callback=number())], 0.0),
+        ("seed", Annotated[int, seed_option("--seed", rich_help_panel=p,
+                                            help="Seed of everything random.")], 0),
         ("calibration", Annotated[Optional[str], _opt(
             "--calibration", panel=p, help="JSON file of fitted emulator parameters.")], None),
         ("allow_clock_changes", Annotated[bool, _opt(
@@ -87,13 +140,7 @@ def with_backend(default: str = "emulator", measurements: bool = False
         ("replay_identity", Annotated[Optional[str], _opt(
             "--replay-identity", panel=p, help="Replay: which backend's measurements, when "
             "the journal holds several.")], None),
-        ("window", Annotated[Optional[float], _opt(
-            "--window", panel=p, help="Measurement window, s (default 5).")], None),
-        ("cooldown", Annotated[Optional[float], _opt(
-            "--cooldown", panel=p, help="Cooldown after a measurement, s (default 5).")],
-         None),
-        ("settle", Annotated[Optional[float], _opt(
-            "--settle", panel=p, help="Settle after a clock change, s (default 2).")], None),
+        *_protocol_options(p),
     ]
 
     if measurements:
@@ -133,13 +180,26 @@ def with_backend(default: str = "emulator", measurements: bool = False
     return injects("backend", options, build)
 
 
+def _protocol_options(p: str) -> list[Option]:
+    return [
+        ("window", Annotated[Optional[float], _opt(
+            "--window", panel=p, help="Measurement window, s (default 5).",
+            callback=number(positive=True))], None),
+        ("cooldown", Annotated[Optional[float], _opt(
+            "--cooldown", panel=p, help="Cooldown after a measurement, s (default 5).",
+            callback=number())], None),
+        ("settle", Annotated[Optional[float], _opt(
+            "--settle", panel=p, help="Settle after a clock change, s (default 2).",
+            callback=number())], None)]
+
+
 def _power_limit_options(p: str) -> list[Option]:
     return [
         ("power_limit_w", Annotated[Optional[float], _opt(
             "--power-limit-w", panel=p, help="Real GPUs: measure with the board power "
             "limit set to this many watts (needs --allow-power-limit-changes; restored on "
             "exit; journaled as another backend). A profile per limit gives Megatron-LM "
-            "under a power limit (docs/power.md).")], None),
+            "under a power limit (docs/power.md).", callback=number(positive=True))], None),
         ("allow_power_limit_changes", Annotated[bool, _opt(
             "--allow-power-limit-changes", panel=p, help="Real GPUs: let Kareus set the "
             "board power limit (always restored on exit).", metavar="")], False)]
@@ -159,7 +219,7 @@ def with_executor() -> Callable[[F], F]:
             "the CPUs).")], None),
         ("ray_timeout", Annotated[float, _opt(
             "--ray-timeout", panel=p, help="Seconds to try reaching --ray-address before "
-            "giving up.")], 30.0),
+            "giving up.", callback=number(positive=True))], 30.0),
     ]
 
     def build(v: dict[str, Any]) -> ExecutorSpec:

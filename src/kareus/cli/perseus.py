@@ -5,6 +5,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
+from kareus.cli.options import float_option
 from kareus.workflows.perseus import import_perseus as run_import
 
 MAX_ROWS = 15
@@ -19,13 +20,13 @@ def import_perseus(
     microbatches: Annotated[int, typer.Option(
         "--microbatches", help="Microbatches per iteration (1F1B); at most 1024 pipeline "
                                "instructions (stages x microbatches x 2).")],
-    static_power_w: Annotated[Optional[float], typer.Option(
+    static_power_w: Annotated[Optional[float], float_option(
         "--static-power-w", help="Static power per GPU in W, subtracted from each "
                                  "instruction's energy (wins over --gpu).")] = None,
     gpu: Annotated[Optional[str], typer.Option(
         "--gpu", help="GPU model: its catalog static power (unless --static-power-w) and "
                       "clock table (the profile's clocks are checked).")] = None,
-    p2p_time_s: Annotated[float, typer.Option(
+    p2p_time_s: Annotated[float, float_option(
         "--p2p-time-s", help="Time of each P2P activation/gradient transfer in seconds "
                              "(the profile has none).")] = 0.0,
     force: Annotated[bool, typer.Option(

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kareus.cli.app import JsonFlag, app, console, print_json, table
+from kareus.cli.options import float_option
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.export import export_plan
@@ -25,7 +26,13 @@ from kareus.plans.plan import (
     select,
 )
 from kareus.plans.power import trace_of, under_cap
-from kareus.plans.run_cost import DEFAULT_CURRENCY, RunCost, iterations_of
+from kareus.plans.run_cost import (
+    DEFAULT_CURRENCY,
+    MAX_ITERATIONS,
+    MAX_TRAIN_TOKENS,
+    RunCost,
+    iterations_of,
+)
 from kareus.plans.units import (
     format_energy_j,
     format_power_w,
@@ -41,6 +48,9 @@ plan_app = typer.Typer(help="Choose, list, show or export the plans of a result.
 app.add_typer(plan_app, name="plan")
 
 ResultOpt = Annotated[str, typer.Option("--result", help="Directory of `kareus optimize`.")]
+PowerWindowOpt = Annotated[float, float_option(
+    "--power-window-s", positive=True, help="Window of the moving average of the cluster "
+    "power (its peak, under a cap), s.")]
 PlanOpt = Annotated[str, typer.Option("--plan", help="Plan id, e.g. kareus-012 (`kareus plan "
                                                      "list` lists them).")]
 
@@ -81,24 +91,27 @@ def plan(
         "--deadline", help=DEADLINE_HELP, metavar="TIME")] = None,
     energy_budget: Annotated[Optional[str], typer.Option(
         "--energy-budget", help=ENERGY_HELP, metavar="ENERGY")] = None,
-    power_cap_kw: Annotated[Optional[float], typer.Option(
-        "--power-cap-kw", help="Cluster power cap, kW: only plans whose peak (the moving "
-        "average over --power-window-s) stays under it; alone, the fastest of them.")] = None,
-    power_cap_w_per_gpu: Annotated[Optional[float], typer.Option(
-        "--power-cap-w-per-gpu", help="The cap per GPU, W (times the job's GPUs).")] = None,
-    power_window_s: Annotated[float, typer.Option(
-        "--power-window-s", help="Window of the power cap's moving average, s.")] = 1.0,
+    power_cap_kw: Annotated[Optional[float], float_option(
+        "--power-cap-kw", positive=True, help="Cluster power cap, kW: only plans whose peak "
+        "(the moving average over --power-window-s) stays under it; alone, the fastest of "
+        "them.")] = None,
+    power_cap_w_per_gpu: Annotated[Optional[float], float_option(
+        "--power-cap-w-per-gpu", positive=True, help="The cap per GPU, W (times the job's "
+        "GPUs).")] = None,
+    power_window_s: PowerWindowOpt = 1.0,
     iterations: Annotated[Optional[int], typer.Option(
         "--iterations", help="A training run of this many iterations: its time, GPU "
-        "energy (and cost, emissions) against Megatron-LM at max clock.")] = None,
-    train_tokens: Annotated[Optional[float], typer.Option(
-        "--train-tokens", help="The same, for a run over this many tokens.")] = None,
-    price_per_kwh: Annotated[Optional[float], typer.Option(
+        f"energy (and cost, emissions) against Megatron-LM at max clock (at most "
+        f"{MAX_ITERATIONS:,}).")] = None,
+    train_tokens: Annotated[Optional[float], float_option(
+        "--train-tokens", positive=True, at_most=MAX_TRAIN_TOKENS, help="The same, for a "
+        f"run over this many tokens (at most {MAX_TRAIN_TOKENS:g}).")] = None,
+    price_per_kwh: Annotated[Optional[float], float_option(
         "--price-per-kwh", help="Electricity price per kWh in --currency, for the run's "
         "cost.")] = None,
     currency: Annotated[str, typer.Option("--currency", help="What --price-per-kwh is in, "
         "named on the cost (USD, EUR, ...; nothing is converted).")] = DEFAULT_CURRENCY,
-    grid_g_co2_per_kwh: Annotated[Optional[float], typer.Option(
+    grid_g_co2_per_kwh: Annotated[Optional[float], float_option(
         "--grid-g-co2-per-kwh", help="Grid carbon intensity, for the run's emissions.")
     ] = None,
     method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = "kareus",
@@ -219,8 +232,6 @@ def _under_cap(rd: ResultDir, frontier: list[dict[str, Any]], cap_kw: Optional[f
                               f"power; run `kareus optimize` again for a power cap")
         peaks.append(trace_of(p.timeline, p.time_s, p.power).peak_w(window_s))
         gpus = p.power.pp * p.power.gpus_per_rank
-    if cap_w_per_gpu is not None and not cap_w_per_gpu > 0:
-        raise KareusError(f"--power-cap-w-per-gpu must be positive, got {cap_w_per_gpu:g}")
     cap_w = cap_kw * 1e3 if cap_kw is not None else float(cap_w_per_gpu or 0.0) * gpus
     return under_cap(frontier, cap_w, peaks, window_s)
 
@@ -323,10 +334,9 @@ def plan_show(
                             "this .png file: the ranks stacked, the total, its moving "
                             "average over --power-window-s, the cap line with "
                             "--power-cap-kw.")] = None,
-    power_cap_kw: Annotated[Optional[float], typer.Option(
-        "--power-cap-kw", help="The power panels' cap line, kW.")] = None,
-    power_window_s: Annotated[float, typer.Option(
-        "--power-window-s", help="The power panels' moving average window, s.")] = 1.0,
+    power_cap_kw: Annotated[Optional[float], float_option(
+        "--power-cap-kw", help="The power panels' cap line, kW.", positive=True)] = None,
+    power_window_s: PowerWindowOpt = 1.0,
     force: Annotated[bool, typer.Option(
         "--force", help="Overwrite the --png / --power-png file if it exists (never a "
                         "result directory's own files).", metavar="")] = False,
@@ -340,8 +350,6 @@ def plan_show(
     power_out = (None if power_png is None
                  else _out_file(rd, result, power_png, "--power-png", force, ".png"))
     check_distinct({"--png": out, "--power-png": power_out})
-    if power_cap_kw is not None and not power_cap_kw > 0:
-        raise KareusError(f"--power-cap-kw must be positive, got {power_cap_kw:g}")
     p, job = _read_plan(rd, result, plan_id)
     rows = settings_by_clock(p)
     spec = _job_spec(rd, job)

@@ -9,7 +9,7 @@ from kareus import SCHEMA_VERSION
 from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, table
 from kareus.cli.job import with_job
-from kareus.cli.options import with_backend, with_executor
+from kareus.cli.options import float_option, with_backend, with_executor
 from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
@@ -43,7 +43,7 @@ def search(
     initial: Annotated[Optional[int], typer.Option(
         "--initial", help="Initial design size (default 20; 10 with a prior).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Settings per batch.")] = 10,
-    tolerance: Annotated[float, typer.Option(
+    tolerance: Annotated[float, float_option(
         "--tolerance", help="Stop when the hypervolume gained less than this fraction over "
                             "--patience batches (0: spend the budget).")] = 0.002,
     patience: Annotated[int, typer.Option("--patience", help="Batches for --tolerance.")] = 3,
@@ -142,7 +142,7 @@ def profile(
         "--strategy", help="mbo (default) or exhaustive: every setting.")] = "mbo",
     budget: ProfileBudget = None,
     batch_size: ProfileBatch = None,
-    tolerance: Annotated[float, typer.Option(
+    tolerance: Annotated[float, float_option(
         "--tolerance", help="Search stopping tolerance (see `kareus search`).")] = 0.002,
     prior: ProfilePrior = DEFAULT_PRIOR,
     partitions_only: Annotated[bool, typer.Option(
@@ -155,9 +155,9 @@ def profile(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print what the profile would measure and its estimated GPU and "
                           "wall time, and measure nothing.", metavar="")] = False,
-    max_hours: Annotated[Optional[float], typer.Option(
+    max_hours: Annotated[Optional[float], float_option(
         "--max-hours", help="Refuse a profile whose estimated GPU time exceeds this many "
-                            "node-hours.")] = None,
+                            "node-hours.", positive=True)] = None,
     every_clock: Annotated[bool, typer.Option(
         "--every-clock", help="Measure each step outside partitions at every clock instead "
                               "of at a few, fitting the others (docs/gpu.md).",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kareus.core import DIRECTIONS
+from kareus.core import DIRECTIONS, jsonfile
 from kareus.errors import SpecError
 
 REQUIRED_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
@@ -113,7 +113,7 @@ def _csv_rows(p: Path, text: str) -> list[ProfileRow]:
 
 def _json_rows(p: Path, text: str) -> list[ProfileRow]:
     try:
-        doc = json.loads(text)
+        doc = jsonfile.loads(text, str(p))
     except json.JSONDecodeError as exc:
         raise SpecError(f"{p}: not JSON: {exc}") from None
     if not isinstance(doc, list):

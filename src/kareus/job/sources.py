@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from kareus.core.jsonfile import read_json_object
+from kareus.core.jsonfile import check_depth, read_json_object, too_deep
 from kareus.errors import SpecError
 from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS, preset_names
 from kareus.job.spec import JobSpec, ModelSpec, first_error_line, validate_job
@@ -25,6 +25,23 @@ _HF_REQUIRED = (
     "vocab_size",
 )
 
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""How the Hugging Face families name their routed experts: Mixtral (num_local_experts),
+Qwen-MoE and OLMoE (num_experts), DeepSeek (n_routed_experts), DBRX and ERNIE
+(moe_num_experts; DBRX's inside ffn_config)."""
+
+
+def _refuse_moe(raw: dict[str, Any], source: str) -> None:
+    """Kareus models dense FFNs only: a config with more than one expert would be planned
+    as a dense model, wrong by its whole expert part, so it is refused (issue 34)."""
+    nested = [v for v in raw.values() if isinstance(v, dict)]  # DBRX: ffn_config
+    for where in (raw, *nested):
+        for key in MOE_KEYS:
+            n = where.get(key)
+            if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1:
+                raise SpecError(f"{source}: a mixture-of-experts model ({key} = {n:g}); "
+                                f"Kareus models dense transformers only")
+
 
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read the transformer shape from a Hugging Face ``config.json`` (file or directory)."""
@@ -32,6 +49,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     if p.is_dir():
         p = p / "config.json"
     raw = read_json_object(p, "model config")
+    _refuse_moe(raw, str(p))
     missing = [k for k in _HF_REQUIRED if k not in raw]
     if missing:
         raise SpecError(f"{p} lacks {', '.join(missing)}: not a decoder-only transformer config")
@@ -67,6 +85,7 @@ def resolve_model(value: Any) -> ModelSpec:
         return value
     if isinstance(value, dict):
         if "num_hidden_layers" in value:  # an inline Hugging Face config
+            _refuse_moe(value, "inline config")
             tmp = {k: v for k, v in value.items()}
             return _model_from_dict(
                 dict(
@@ -102,6 +121,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text())
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise SpecError(f"cannot parse job file {too_deep(str(p))}") from None
     except FileNotFoundError:
         raise SpecError(f"job file not found: {p}") from None
     except yaml.MarkedYAMLError as exc:
@@ -114,6 +135,7 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         raise SpecError(f"cannot parse job file {p}: {first}") from None
     if data is None:
         return {}
+    check_depth(data, f"job file {p}")
     if not isinstance(data, dict):
         raise SpecError(f"job file {p} must hold a mapping of job fields")
     if "preset" in data:

@@ -20,6 +20,41 @@ BYTES_PER_ELEMENT = 2  # bf16 activations, weights and gradients (docs/anchors.m
 DEFAULT_SM_CHOICES_ALL_REDUCE = tuple(range(3, 31, 3))  # Kareus artifact (docs/anchors.md §4)
 DEFAULT_SM_CHOICES_GATHER_SCATTER = tuple(range(1, 21))  # Kareus artifact (docs/anchors.md §4)
 
+# Upper bounds of every size a job is built from. The work and memory of building a
+# workload and simulating an iteration grow with them (issue 34: 10^8 microbatches grew
+# to 13.7 GB before answering), so each is refused above a limit far beyond any real job,
+# in one line naming the limit (`first_error_line`).
+MAX_LAYERS = 1024
+"""The deepest public dense models have ~100-130 layers (Llama 3.1 405B: 126)."""
+MAX_HIDDEN_SIZE = 1 << 17
+"""131,072: public models reach hidden sizes of ~16k-25k (Llama 3.1 405B: 16,384)."""
+MAX_FFN_HIDDEN_SIZE = 1 << 19
+"""524,288: public FFNs reach ~53k (Llama 3.1 405B: 53,248)."""
+MAX_HEADS = 1024
+"""Public models have at most ~128 attention heads (Llama 3.1 405B: 128)."""
+MAX_HEAD_DIM = 4096
+"""Public head sizes are 64-256."""
+MAX_VOCAB_SIZE = 1 << 22
+"""4,194,304: the largest public vocabularies have ~256k tokens (Gemma 3: 262,144)."""
+MAX_SEQ_LENGTH = 1 << 22
+"""4,194,304 tokens: public long-context training reaches ~1M-token sequences."""
+MAX_MICRO_BATCH_SIZE = 4096
+"""Sequences per microbatch: real jobs use 1-32 (memory bound)."""
+MAX_MICROBATCHES = 16384
+"""Microbatches per iteration: a 16k-GPU run with a 16M-token batch has tens per
+replica (Llama 3: 16 stages, batch 2,048 x 8,192 tokens over 128 replicas)."""
+MAX_GPUS_PER_NODE = 1024
+"""One NVLink domain: 8 GPUs per server, 72 in a GB200 NVL72 rack, 576 announced."""
+MAX_GPUS = 1 << 17
+"""131,072 GPUs: the largest public training runs use 16k+ GPUs (Llama 3: 16,384), the
+largest reported clusters ~100k."""
+MAX_PIPELINE_INSTRUCTIONS = 1 << 18
+"""262,144 forward and backward instructions per iteration (virtual stages x microbatches
+x 2): 16 stages x 8,192 microbatches. Simulating one iteration of this size takes ~15 s
+and ~0.5 GB here; the work and memory grow linearly beyond it."""
+MAX_KNOB_CHOICES = 256
+"""Entries of a list of SM counts or clocks: GPUs have ~100-150 SMs and ~100 clocks."""
+
 
 class ModelSpec(BaseModel):
     """A Llama-style decoder-only transformer (RMSNorm, GQA + RoPE, SwiGLU)."""
@@ -27,13 +62,13 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    hidden_size: int = Field(ge=1)
-    num_layers: int = Field(ge=1)
-    num_attention_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    ffn_hidden_size: int = Field(ge=1)
-    vocab_size: int = Field(ge=1)
+    hidden_size: int = Field(ge=1, le=MAX_HIDDEN_SIZE)
+    num_layers: int = Field(ge=1, le=MAX_LAYERS)
+    num_attention_heads: int = Field(ge=1, le=MAX_HEADS)
+    num_kv_heads: int = Field(ge=1, le=MAX_HEADS)
+    head_dim: int = Field(ge=1, le=MAX_HEAD_DIM)
+    ffn_hidden_size: int = Field(ge=1, le=MAX_FFN_HIDDEN_SIZE)
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB_SIZE)
     qk_norm: bool = False
     """RMSNorm on queries and keys before rotary (Qwen3)."""
 
@@ -43,6 +78,10 @@ class ModelSpec(BaseModel):
         if isinstance(data, dict) and data.get("head_dim") is None:
             heads, hidden = data.get("num_attention_heads"), data.get("hidden_size")
             if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+                if hidden % heads != 0:  # the head size would be a fraction: say so
+                    raise ValueError(
+                        f"hidden_size {hidden} is not divisible by the {heads} attention "
+                        f"heads; give head_dim (the size of one head)")
                 data = {**data, "head_dim": hidden // heads}
         return data
 
@@ -62,29 +101,35 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelSpec
-    tp: int = Field(1, ge=1, description="tensor-parallel size")
-    cp: int = Field(1, ge=1, description="context-parallel size (all-gather mode)")
-    pp: int = Field(1, ge=1, description="pipeline-parallel size")
+    tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel size")
+    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE,
+                    description="context-parallel size (all-gather mode)")
+    pp: int = Field(1, ge=1, le=MAX_LAYERS, description="pipeline-parallel size")
     virtual_pipeline: int = Field(
-        1, ge=1, description="model chunks per pipeline rank: interleaved 1F1B when > 1 "
-        "(Megatron's virtual pipeline); the workload has pp x virtual_pipeline stages")
-    dp: int | None = Field(None, ge=1, description="data-parallel size; derived when omitted")
+        1, ge=1, le=MAX_LAYERS, description="model chunks per pipeline rank: interleaved "
+        "1F1B when > 1 (Megatron's virtual pipeline); the workload has pp x virtual_pipeline "
+        "stages")
+    dp: int | None = Field(None, ge=1, le=MAX_GPUS,
+                           description="data-parallel size; derived when omitted")
     sequence_parallel: bool = False
     micro_batch_size: int = Field(
-        2, ge=1, description="sequences per microbatch; an even size is split into two "
-        "nanobatches by the methods that overlap (`splits_into_nanobatches`)")
-    seq_length: int = Field(4096, ge=1)
-    num_microbatches: int = Field(8, ge=1)
-    layers_per_stage: tuple[int, ...] | None = None
+        2, ge=1, le=MAX_MICRO_BATCH_SIZE, description="sequences per microbatch; an even "
+        "size is split into two nanobatches by the methods that overlap "
+        "(`splits_into_nanobatches`)")
+    seq_length: int = Field(4096, ge=1, le=MAX_SEQ_LENGTH)
+    num_microbatches: int = Field(8, ge=1, le=MAX_MICROBATCHES)
+    layers_per_stage: tuple[int, ...] | None = Field(None, max_length=MAX_LAYERS)
     recompute: bool = Field(
         True, description="full activation recompute, uniform, one layer per checkpoint"
     )
     gpu: str = "A100-40GB"
-    gpus_per_node: int = Field(8, ge=1)
-    nodes: int = Field(1, ge=1)
-    sm_choices_all_reduce: tuple[int, ...] = DEFAULT_SM_CHOICES_ALL_REDUCE
-    sm_choices_gather_scatter: tuple[int, ...] = DEFAULT_SM_CHOICES_GATHER_SCATTER
-    search_freqs_mhz: tuple[int, ...] | None = None
+    gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE)
+    nodes: int = Field(1, ge=1, le=MAX_GPUS)
+    sm_choices_all_reduce: tuple[int, ...] = Field(DEFAULT_SM_CHOICES_ALL_REDUCE,
+                                                   max_length=MAX_KNOB_CHOICES)
+    sm_choices_gather_scatter: tuple[int, ...] = Field(DEFAULT_SM_CHOICES_GATHER_SCATTER,
+                                                       max_length=MAX_KNOB_CHOICES)
+    search_freqs_mhz: tuple[int, ...] | None = Field(None, max_length=MAX_KNOB_CHOICES)
 
     @model_validator(mode="after")
     def _check_job(self) -> JobSpec:
@@ -115,6 +160,12 @@ class JobSpec(BaseModel):
                 f"length {self.seq_length // self.cp}"
             )
         self._check_placement()
+        instructions = self.virtual_stages * self.num_microbatches * 2
+        if instructions > MAX_PIPELINE_INSTRUCTIONS:
+            raise ValueError(
+                f"{self.virtual_stages} stages x {self.num_microbatches} microbatches x 2 = "
+                f"{instructions:,} pipeline instructions is over Kareus's limit of "
+                f"{MAX_PIPELINE_INSTRUCTIONS:,}; use fewer microbatches or stages")
         self._check_stages()
         self._check_knobs(gpu)
         return self
@@ -122,6 +173,9 @@ class JobSpec(BaseModel):
     def _check_placement(self) -> None:
         """TP x CP inside a node; DP derived from (or consistent with) the GPU count."""
         total = self.gpus_per_node * self.nodes
+        if total > MAX_GPUS:
+            raise ValueError(f"{self.nodes} nodes x {self.gpus_per_node} GPUs = {total:,} GPUs "
+                             f"is over Kareus's limit of {MAX_GPUS:,}")
         model_parallel = self.tp * self.cp * self.pp
         if self.tp * self.cp > self.gpus_per_node:
             raise ValueError(
@@ -291,6 +345,13 @@ def first_error_line(exc: ValidationError) -> str:
     msg = str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+    ctx = err.get("ctx") or {}
+    if err.get("type") == "less_than_equal":  # a size over its MAX_*: name the limit
+        le = ctx.get("le")
+        msg = f"{err.get('input')} is over Kareus's limit of {le:,}" if isinstance(
+            le, int) else f"{err.get('input')} is over Kareus's limit of {le}"
+    elif err.get("type") == "too_long":
+        msg = f"more than Kareus's limit of {ctx.get('max_length')} entries"
     return f"{loc}: {msg}" if loc else msg
 
 

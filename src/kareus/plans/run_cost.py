@@ -23,6 +23,15 @@ J_PER_MWH = 3.6e9
 DEFAULT_CURRENCY = "USD"
 
 
+MAX_TRAIN_TOKENS = 1e15
+"""A quadrillion tokens: the largest public training runs are tens of trillions (Qwen3:
+36T). A bound keeps the run's figures readable (issue 34: 1e300 printed hundreds of
+digits)."""
+MAX_ITERATIONS = 10**9
+"""A billion iterations: the largest public runs take about a million (Llama 3 405B:
+15.6T tokens at up to 16M tokens per step)."""
+
+
 def iterations_of(job: JobSpec, iterations: int | None, train_tokens: float | None) -> int:
     """The run's iterations: given, or the tokens over the tokens per iteration (rounded
     up); one of the two, positive."""
@@ -31,10 +40,16 @@ def iterations_of(job: JobSpec, iterations: int | None, train_tokens: float | No
     if iterations is not None:
         if iterations < 1:
             raise SpecError(f"--iterations must be positive, got {iterations}")
+        if iterations > MAX_ITERATIONS:
+            raise SpecError(f"--iterations {iterations} is over Kareus's limit of "
+                            f"{MAX_ITERATIONS:,}")
         return iterations
     assert train_tokens is not None
-    if not train_tokens > 0:
-        raise SpecError(f"--train-tokens must be positive, got {train_tokens:g}")
+    if not (math.isfinite(train_tokens) and train_tokens > 0):
+        raise SpecError(f"--train-tokens must be positive and finite, got {train_tokens:g}")
+    if train_tokens > MAX_TRAIN_TOKENS:
+        raise SpecError(f"--train-tokens {train_tokens:g} is over Kareus's limit of "
+                        f"{MAX_TRAIN_TOKENS:g}")
     return math.ceil(train_tokens / job.tokens_per_iteration)
 
 

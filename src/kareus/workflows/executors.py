@@ -48,6 +48,9 @@ from kareus.store import (
 from kareus.workload.workload import Workload
 
 EXECUTORS = ("local", "ray")
+MAX_WORKERS = 1024
+"""Local processes: a pool starts all of its workers at once (issue 34: --workers 10^8
+tried to), and one machine has at most a few hundred CPUs."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class ExecutorSpec:
             raise SpecError(f"unknown executor {self.name!r}; known: {', '.join(EXECUTORS)}")
         if self.workers is not None and self.workers < 1:
             raise SpecError(f"--workers must be at least 1, got {self.workers}")
+        if self.workers is not None and self.workers > MAX_WORKERS:
+            raise SpecError(f"--workers {self.workers} is over Kareus's limit of "
+                            f"{MAX_WORKERS:,}")
         if self.ray_timeout_s <= 0:
             raise SpecError(f"--ray-timeout must be positive, got {self.ray_timeout_s}")
         if self.name == "ray" and self.ray_address not in (None, "auto", "local"):
@@ -214,7 +220,8 @@ def run_tasks(tasks: list[SearchTask], executor: ExecutorSpec | None = None,
     # one GPU measures one partition at a time: real-GPU searches run in this process
     if len(tasks) == 1 or ex.workers == 1 or any(t.runs_on_gpu for t in tasks):
         return [run_task(t, _for_key(progress, t.partition), workload) for t in tasks]
-    return _run_pool(tasks, ex.workers or min(len(tasks), os.cpu_count() or 1), progress)
+    # never more processes than tasks: a pool starts all of its workers at once
+    return _run_pool(tasks, min(len(tasks), ex.workers or os.cpu_count() or 1), progress)
 
 
 def _for_key(progress: TaskProgress | None, key: str) -> Callable[[int, int], None] | None:

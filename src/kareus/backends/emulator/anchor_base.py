@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.params import load_params
+from kareus.core.jsonfile import read_json_object
 from kareus.job.hardware import get_gpu
 
 
@@ -51,8 +51,8 @@ def for_gpu(calibration: str | Path | None, gpu: str) -> bool:
     if calibration is None:
         return False
     try:
-        return json.loads(Path(calibration).read_text()).get("gpu") in (None, gpu)
-    except (OSError, ValueError, AttributeError):
+        return read_json_object(calibration, "calibration file").get("gpu") in (None, gpu)
+    except (OSError, ValueError, AttributeError):  # SpecError too
         return True  # let load_params report the problem
 
 
