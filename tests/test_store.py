@@ -428,6 +428,14 @@ def _foreign_version(path: Path) -> None:
     conn.close()
 
 
+def _foreign_meta_columns(path: Path) -> None:
+    """An application whose `meta` table has columns of its own (no key/value)."""
+    with _raw(path) as conn:
+        conn.execute("CREATE TABLE meta (k TEXT, v TEXT)")
+        conn.execute("INSERT INTO meta VALUES ('1', '2')")
+    conn.close()
+
+
 def _empty(path: Path) -> None:
     path.write_bytes(b"")
 
@@ -438,7 +446,8 @@ _WRITERS = [("search", "-p", "kareus-1", "--partition", "fwd_attn", "--budget", 
             ("profile", "-p", "kareus-1", "--backend", "emulator", "--budget", "20")]
 
 
-@pytest.mark.parametrize("make", [_foreign_meta, _foreign_wal, _foreign_version, _empty])
+@pytest.mark.parametrize("make", [_foreign_meta, _foreign_wal, _foreign_version,
+                                  _foreign_meta_columns, _empty])
 @pytest.mark.parametrize("command", _READERS + _WRITERS, ids=lambda c: " ".join(c[:2]))
 def test_a_file_that_is_no_journal_is_refused_and_left_byte_identical(tmp_path, make,
                                                                        command):
@@ -455,7 +464,7 @@ def test_a_file_that_is_no_journal_is_refused_and_left_byte_identical(tmp_path, 
     # -shm, .lock, result directory
 
 
-@pytest.mark.parametrize("make", [_foreign_meta, _foreign_wal, _empty])
+@pytest.mark.parametrize("make", [_foreign_meta, _foreign_wal, _foreign_meta_columns, _empty])
 def test_opening_what_is_no_journal_to_write_changes_nothing(tmp_path, make):
     path = tmp_path / "other_app.sqlite"
     make(path)

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kareus.core import Knobs, Measurement
 from kareus.core.lock import held_by, lock_file
@@ -197,6 +197,18 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def _schema_row(conn: sqlite3.Connection, tables: set[str]) -> tuple[Any, ...] | None:
+    """The journal's schema-version row; None where there is no ``meta`` table of a
+    journal's shape (another application's ``meta`` without key/value columns)."""
+    if "meta" not in tables:
+        return None
+    columns = {str(r[1]) for r in conn.execute("PRAGMA table_info(meta)")}
+    if not {"key", "value"} <= columns:
+        return None
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return None if row is None else tuple(row)
+
+
 def _recognised(conn: sqlite3.Connection, path: Path) -> tuple[int, set[str]]:
     """The schema version and tables of the journal on ``conn``; a JournalError where the
     database is not one (another application's), or of a version this code cannot read."""
@@ -204,8 +216,7 @@ def _recognised(conn: sqlite3.Connection, path: Path) -> tuple[int, set[str]]:
         app_id = int(conn.execute("PRAGMA application_id").fetchone()[0])
         tables = {str(r[0]) for r in conn.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table'")}
-        row = (conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-               if "meta" in tables else None)
+        row = _schema_row(conn, tables)
     except sqlite3.DatabaseError as exc:
         raise JournalError(f"cannot open journal {path}: {exc}") from None
     if app_id not in (0, APPLICATION_ID) or row is None:
