@@ -12,7 +12,6 @@ import typer
 from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.cli.options import float_option
 from kareus.errors import KareusError
-from kareus.job.spec import JobSpec
 from kareus.plans.export import export_plan
 from kareus.plans.methods import get_method
 from kareus.plans.outfile import check_distinct, check_out_file, write_file_atomic
@@ -25,13 +24,11 @@ from kareus.plans.plan import (
     rounding_slack,
     select,
 )
-from kareus.plans.power import trace_of, under_cap
+from kareus.plans.power import trace_of
 from kareus.plans.run_cost import (
     DEFAULT_CURRENCY,
     MAX_ITERATIONS,
     MAX_TRAIN_TOKENS,
-    RunCost,
-    iterations_of,
 )
 from kareus.plans.units import (
     format_energy_j,
@@ -40,6 +37,7 @@ from kareus.plans.units import (
     parse_energy_j,
     parse_time_s,
 )
+from kareus.results.choice import job_spec, plans_under_cap, run_cost
 from kareus.results.power_figure import power_figure, power_panel
 from kareus.results.resultdir import ResultDir
 from kareus.results.timeline import clock_scale_mhz, timeline_figure
@@ -51,6 +49,9 @@ ResultOpt = Annotated[str, typer.Option("--result", help="Directory of `kareus o
 PowerWindowOpt = Annotated[float, float_option(
     "--power-window-s", positive=True, help="Window of the moving average of the cluster "
     "power (its peak, under a cap), s.")]
+CurrencyOpt = Annotated[str, typer.Option(
+    "--currency", help="What --price-per-kwh is in, named on the cost (USD, EUR, ...; "
+    "nothing is converted).")]
 PlanOpt = Annotated[str, typer.Option("--plan", help="Plan id, e.g. kareus-012 (`kareus plan "
                                                      "list` lists them).")]
 
@@ -109,8 +110,7 @@ def plan(
     price_per_kwh: Annotated[Optional[float], float_option(
         "--price-per-kwh", help="Electricity price per kWh in --currency, for the run's "
         "cost.")] = None,
-    currency: Annotated[str, typer.Option("--currency", help="What --price-per-kwh is in, "
-        "named on the cost (USD, EUR, ...; nothing is converted).")] = DEFAULT_CURRENCY,
+    currency: CurrencyOpt = DEFAULT_CURRENCY,
     grid_g_co2_per_kwh: Annotated[Optional[float], float_option(
         "--grid-g-co2-per-kwh", help="Grid carbon intensity, for the run's emissions.")
     ] = None,
@@ -137,7 +137,7 @@ def plan(
     path = rd.plan_file(p.id)
     over = over_limit(point, objective, value)
     asked = (iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh)
-    run = (None if all(v is None for v in asked) else _run_cost(
+    run = (None if all(v is None for v in asked) else run_cost(
         rd, p, job, iterations, train_tokens, price_per_kwh, grid_g_co2_per_kwh, currency))
     if json_out:
         print_json({**p.to_dict(), "path": str(path), "objective": objective,
@@ -145,8 +145,7 @@ def plan(
                     "over_limit": over, "within_rounding_slack": bool(over),
                     "training_run": run.to_dict() if run is not None else None})
         return
-    freqs = sorted(set(p.execution.instruction_freqs.values())) or [
-        p.execution.default_freq_mhz]
+    freqs = sorted(set(p.execution.instruction_freqs.values())) or [p.execution.default_freq_mhz]
     console.print(f"[bold]{p.id}[/bold] ({method}, {objective}"
                   f"{'' if value is None else ' ' + _limit(objective, value)}): iteration "
                   f"{_time(p.time_s)}, {_energy(p.energy_j)}; clocks "
@@ -159,9 +158,7 @@ def plan(
     if run is not None:
         console.print(run.line())
     if over and value is not None:
-        slack = _DEADLINE_SLACK if objective == "deadline" else _ENERGY_SLACK
-        console.print(f"note: {_amount(objective, over)} over the exact limit "
-                      f"{_limit(objective, value)}, within its {slack} rounding slack")
+        console.print(_over_note(objective, over, value))
 
 
 def _chosen(rd: ResultDir, method: str, objective: str, value: Optional[float],
@@ -172,7 +169,7 @@ def _chosen(rd: ResultDir, method: str, objective: str, value: Optional[float],
     frontier = rd.frontier(method)
     capped = cap_kw is not None or cap_w_per_gpu is not None
     if capped:
-        frontier = _under_cap(rd, frontier, cap_kw, cap_w_per_gpu, window_s)
+        frontier = plans_under_cap(rd, frontier, cap_kw, cap_w_per_gpu, window_s)
     try:
         return select(frontier, objective, value)
     except KareusError as exc:
@@ -197,43 +194,11 @@ def _objective(result: str, max_throughput: bool, min_energy: bool,
         raise KareusError(f"{exc}; {_list_command(result)} lists every plan") from None
 
 
-def _run_cost(rd: ResultDir, p: Plan, job: dict[str, Any], iterations: Optional[int],
-              train_tokens: Optional[float], price_per_kwh: Optional[float],
-              g_co2_per_kwh: Optional[float], currency: str = DEFAULT_CURRENCY) -> RunCost:
-    """The training run with plan ``p`` against Megatron-LM's plan (its one clock: the
-    highest) over as many iterations."""
-    if iterations is None and train_tokens is None:
-        raise KareusError("--price-per-kwh and --grid-g-co2-per-kwh need --iterations or "
-                          "--train-tokens")
-    n = iterations_of(_job_spec(rd, job), iterations, train_tokens)
-    ref = select(rd.frontier("megatron"), "max-throughput")
-    return RunCost.of(n, p.time_s, p.energy_j, float(ref["time_s"]),
-                      float(ref["energy_j"]), price_per_kwh, g_co2_per_kwh, currency)
-
-
-def _job_spec(rd: ResultDir, job: dict[str, Any]) -> JobSpec:
-    """The job a plan is for, as the result recorded it; one line where it is not one."""
-    try:
-        return JobSpec.model_validate(job)
-    except ValueError as exc:  # pydantic's ValidationError is one
-        raise KareusError(f"{rd.result_file}: its job is not a valid job "
-                          f"({str(exc).splitlines()[0]}); rerun `kareus optimize`") from None
-
-
-def _under_cap(rd: ResultDir, frontier: list[dict[str, Any]], cap_kw: Optional[float],
-               cap_w_per_gpu: Optional[float], window_s: float) -> list[dict[str, Any]]:
-    """The frontier's plans whose peak power over ``window_s`` stays under the cap, each
-    peak from the plan's timeline (kareus.plans.power)."""
-    peaks, gpus = [], 0
-    for point in frontier:
-        p, _job = rd.read_plan(point["plan"])
-        if p.power is None:
-            raise KareusError(f"{rd.result_file} was written before plans recorded their "
-                              f"power; run `kareus optimize` again for a power cap")
-        peaks.append(trace_of(p.timeline, p.time_s, p.power).peak_w(window_s))
-        gpus = p.power.pp * p.power.gpus_per_rank
-    cap_w = cap_kw * 1e3 if cap_kw is not None else float(cap_w_per_gpu or 0.0) * gpus
-    return under_cap(frontier, cap_w, peaks, window_s)
+def _over_note(objective: str, over: float, value: float) -> str:
+    """What a plan over the exact limit but within its rounding slack is told."""
+    slack = _DEADLINE_SLACK if objective == "deadline" else _ENERGY_SLACK
+    return (f"note: {_amount(objective, over)} over the exact limit "
+            f"{_limit(objective, value)}, within its {slack} rounding slack")
 
 
 def _limit(objective: str, value: float) -> str:
@@ -352,7 +317,7 @@ def plan_show(
     check_distinct({"--png": out, "--power-png": power_out})
     p, job = _read_plan(rd, result, plan_id)
     rows = settings_by_clock(p)
-    spec = _job_spec(rd, job)
+    spec = job_spec(rd, job)
     title = spec.describe()  # the whole job, as the result's own figures
     if power_out is not None:
         power_figure(p, power_out, title, power_window_s,

@@ -18,9 +18,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from kareus.backends.base import Backend, PlanSimulator
-from kareus.backends.journaled import JournaledBackend, MissingMeasurement
-from kareus.backends.needs import summarize
+from kareus.backends.base import PlanSimulator
+from kareus.backends.journaled import JournaledBackend
 from kareus.backends.registry import (
     BackendSpec,
     backend_kind,
@@ -51,8 +50,9 @@ from kareus.plans.power import plan_power
 from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
-from kareus.store import Journal, in_use_note, job_id
+from kareus.store import Journal, job_id
 from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_tasks, run_tasks
+from kareus.workflows.measured import fitted_summary, measured_composer, refuse_missing
 from kareus.workflows.power_limited import iso_power, power_limited_megatron
 from kareus.workflows.profile import DEFAULT_PRIOR, check_profile, profile, torchrun_rank
 from kareus.workload.workload import Workload
@@ -204,7 +204,7 @@ class OptimizeRun:
         wl = self.workload
         t0 = time.perf_counter()
         with (self.fill.open(wl) if self.fill is not None else nullcontext()) as fallback:
-            composer = self.composer or _measured_composer(wl, journal, identity, fallback)
+            composer = self.composer or measured_composer(wl, journal, identity, fallback)
             replay = composer.backend
             assert isinstance(replay, JournaledBackend)
             journaled = {k: replay.samples(k) for k in wl.keys}
@@ -217,39 +217,8 @@ class OptimizeRun:
         sources = {"measurements": journal, "backend": replay.identity(),
                    "filled_from": self.fill.name if self.fill and replay.filled else None,
                    "filled": [n.describe() for n in replay.filled],
-                   "fitted": _fitted_summary(replay)}
+                   "fitted": fitted_summary(replay)}
         return searches, composer, solved, sources
-
-
-def _fitted_summary(replay: JournaledBackend) -> dict[str, Any]:
-    """How many of the numbers composition used were fitted rather than measured
-    (kareus.workflows.step_fit), and the largest held-out error of their fits."""
-    errors = [e for n in replay.fitted_used if (e := replay.fitted_error(n)) is not None]
-    return {"count": len(errors),
-            "max_time_rel_error": max((abs(t) for t, _e in errors), default=0.0),
-            "max_energy_rel_error": max((abs(e) for _t, e in errors), default=0.0)}
-
-
-def _measured_composer(workload: Workload, journal: str, identity: str | None,
-                       fill: Backend | None = None) -> Composer:
-    """A composer over the journal's measurements alone (``fill``: what it lacks)."""
-    replay = open_replay(journal, workload.job, identity, fill=fill)
-    return Composer(workload.partitions, replay, workload.job.freqs_mhz)
-
-
-def _refuse_missing(journal: str, composer: Composer, methods: Sequence[Method]) -> None:
-    """One error listing what composing ``methods`` needs and the journal lacks."""
-    replay = composer.backend
-    assert isinstance(replay, JournaledBackend)
-    fronts = key_frontiers({k: replay.samples(k) for k in composer.ps.keys})
-    missing = replay.lacks(composer.needs(methods, fronts))
-    if missing:
-        raise MissingMeasurement(
-            f"journal {journal} lacks {len(missing)} measurements this job's "
-            f"composition needs (backend {replay.identity()}): {summarize(missing)}; "
-            f"measure them with `kareus profile` with this job's options and --journal "
-            f"{journal}, or pass --fill-missing {' or '.join(cost_model_kinds())}"
-            f"{in_use_note(journal)}")
 
 
 def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
@@ -258,15 +227,9 @@ def prepare_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig
                      measurements: str | None = None, fill_missing: str | None = None,
                      solver: str = "lp", validate_plans: int | None = None
                      ) -> OptimizeRun:
-    """Everything that can fail on bad input, checked once, before any work starts.
-    ``force``: replace the result of another job in ``out_dir`` (its measurements stay in
-    the journal). ``measurements``: compose from that journal alone (no search, no
-    emulator number); ``fill_missing``: a backend with a cost model fills what it lacks
-    (the result says which numbers). ``job``: the workload, or a job to build it from.
-    Methods that cannot run the job (one whose microbatch is not split into nanobatches)
-    are left out (`OptimizeRun.left_out`); none left is an error. The last step locks
-    the result directory for the run (`ResultDir.lock`: another run holding it is
-    refused); `OptimizeRun.run` releases it."""
+    """`check_optimize`, then, last, the result directory locked for the run
+    (`ResultDir.lock`: another run holding it is refused); `OptimizeRun.run` releases
+    it."""
     run = check_optimize(job, out_dir, config, backend, executor, methods, force,
                          measurements, fill_missing, solver, validate_plans)
     if not run.measures_only:
@@ -281,9 +244,15 @@ def check_optimize(job: JobSpec | Workload, out_dir: str, config: SearchConfig,
                    measurements: str | None = None, fill_missing: str | None = None,
                    solver: str = "lp", validate_plans: int | None = None,
                    within: str | None = None) -> OptimizeRun:
-    """`prepare_optimize` without the lock: every input checked, nothing created; `run`
-    locks the directory. ``within``: the compare directory ``out_dir`` is a preset result
-    of (`OptimizeRun.within`)."""
+    """Everything that can fail on bad input, checked once, before any work starts;
+    nothing is created (`prepare_optimize` then locks the directory). ``force``: replace
+    the result of another job in ``out_dir`` (its measurements stay in the journal).
+    ``measurements``: compose from that journal alone (no search, no emulator number);
+    ``fill_missing``: a backend with a cost model fills what it lacks (the result says
+    which numbers). ``job``: the workload, or a job to build it from. Methods that cannot
+    run the job (one whose microbatch is not split into nanobatches) are left out
+    (`OptimizeRun.left_out`); none left is an error. ``within``: the compare directory
+    ``out_dir`` is a preset result of (`OptimizeRun.within`)."""
     workload = job if isinstance(job, Workload) else Workload.build(job)
     spec = backend or default_spec()
     ex = executor or ExecutorSpec()
@@ -328,8 +297,8 @@ def _check_numbers(run: OptimizeRun, fill_missing: str | None) -> None:
         # the journal describes one backend of this job's GPU (or names the one to use),
         # and holds everything composing needs, unless the user opted in to filling it
         if run.fill is None:
-            run.composer = _measured_composer(workload, *source)
-            _refuse_missing(source[0], run.composer, run.methods)
+            run.composer = measured_composer(workload, *source)
+            refuse_missing(source[0], run.composer, run.methods)
         else:
             open_replay(source[0], workload.job, source[1])
         return
