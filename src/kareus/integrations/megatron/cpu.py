@@ -87,8 +87,8 @@ class SequenceParallelNorm:
     its parameters marked ``sequence_parallel`` with the config (Megatron's
     `finalize_model_grads` sums their gradients over the TP group)."""
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5,  # type: ignore[misc]
-                **_: Any) -> torch.nn.Module:  # a torch norm, as WrappedTorchNorm's
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5,
+                **_: Any) -> Any:  # a torch norm (a Module), as WrappedTorchNorm's
         kind = getattr(config, "normalization", "LayerNorm")
         norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(kind)
         if norm_cls is None:
@@ -110,7 +110,7 @@ def allocate_on_cpu() -> None:
     Megatron's sequence-parallel collectives allocate their outputs there (nothing else
     on such a machine can use a CUDA device anyway). A no-op where CUDA is available."""
     if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+        setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # noqa: B010
 
 
 def rotary_embedding(kv_channels: int, seq_length: int, base: float = 10000.0) -> Tensor:
