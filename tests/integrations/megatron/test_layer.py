@@ -196,7 +196,8 @@ def _refusal(fn) -> str:
     return "accepted"
 
 
-def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> dict:
+def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb, parts=PARTS,
+                                   knobs=None, **extra) -> dict:
     """Megatron's own TransformerBlock with recompute_granularity="full" (uniform, one
     layer per chunk). Its CheckpointFunction saves the CUDA RNG state, which a CPU build
     has not: Megatron's two RNG-state helpers are swapped for no-ops here (torch.cuda is
@@ -215,8 +216,9 @@ def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> 
         runs = {}
         for name, spec, recompute in (("plain", plain_spec, False),
                                       ("kareus", kareus_spec, True)):
-            c = _config(**({"recompute_granularity": "full", "recompute_method": "uniform",
-                            "recompute_num_layers": 1} if recompute else {}))
+            c = _config(**extra, **({"recompute_granularity": "full",
+                                     "recompute_method": "uniform",
+                                     "recompute_num_layers": 1} if recompute else {}))
             torch.manual_seed(1)
             block = TransformerBlock(c, TransformerBlockSubmodules(layer_specs=[spec] * 2),
                                      post_layer_norm=False)
@@ -225,7 +227,8 @@ def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> 
                 layer.input_layernorm.register_forward_hook(
                     lambda *_, calls=calls: calls.append(1))
                 if name == "kareus":
-                    layer.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 2"]))
+                    layer.set_kareus_plan(LayerPlan.from_partitions(
+                        parts, knobs if knobs is not None else PLANS["slot 2"]))
             xi = x.clone().requires_grad_(True)
             y = block(xi, attention_mask=None, rotary_pos_emb=emb)
             y.backward(dy)
@@ -502,6 +505,9 @@ def _worker_sp(rank: int, world: int, port: int, out_dir: str) -> None:
         kareus.set_kareus_plan(None)
         res["unset_equals_plain"] = max(_rel(a, b) for a, b in
                                         zip(_layer_run(kareus, x, dy, emb), ref))
+        res.update(_block_with_megatron_recompute(
+            cfg, plain_spec, kareus_spec, x, dy, emb, PARTS_SP, PLANS_SP["slot 1"],
+            sequence_parallel=True))
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
@@ -544,6 +550,12 @@ def test_sequence_parallel_full_recompute_communicates_nothing_a_third_time(sp_r
         assert res["recompute_worst"] < 1e-5
         # the forward (no grad) and its re-run: 8 each; the backward: 8
         assert res["collectives recompute"] == (0, 24)
+
+
+def test_sequence_parallel_in_megatron_s_block_with_full_recompute(sp_results):
+    for res in sp_results:
+        assert res["block_recompute_worst"] < 1e-5
+        assert res["block_norm_calls_kareus"] == 8  # 2 layers x 2 nanobatches x 2 passes
 
 
 def test_sequence_parallel_without_a_plan_is_megatron_s(sp_results):
