@@ -10,6 +10,14 @@ touches a clock).
     python examples/megatron_gpt.py --plan plan.json --compare-plain --clock-log clocks/
     python examples/megatron_gpt.py --backend nccl --plan plan.json   # GPUs, NCCL
 
+With Megatron's sequence parallelism (--sequence-parallel; the job examples/megatron_gpt_sp.yaml,
+whose plans run the SP partitions: all-gathers and reduce-scatters along the sequence):
+
+    kareus optimize --config examples/megatron_gpt_sp.yaml --out runs/megatron-gpt-sp
+    kareus plan export --result runs/megatron-gpt-sp --plan ID --format json --out plan-sp.json
+    python examples/megatron_gpt.py --tp 2 --sequence-parallel --plan plan-sp.json \
+        --compare-plain --clock-log clocks/
+
 The model is the plan's job's (examples/megatron_gpt.yaml by default, without --plan: the
 plain Megatron layer). --compare-plain builds a second model from the same initialisation
 with Megatron's own layer spec and, at every step, computes its loss and gradients on the
@@ -23,7 +31,11 @@ CUDA tensors, so it runs on GPUs only).
 On the CPU: Megatron's DotProductAttention and RotaryEmbedding allocate on CUDA, so the
 layers use an SDPA core attention (kareus.integrations.megatron.cpu, the same function) and
 the model learned absolute positions instead of RoPE; on GPUs, Megatron's own attention
-and RoPE. The CPU run checks numerics and wiring, not time or energy.
+and RoPE. Under sequence parallelism the norms are torch's RMSNorm marked
+``sequence_parallel`` (`SequenceParallelNorm`: Megatron's local spec has no SP norm
+without Apex), in both models, and on the CPU Megatron's sequence-parallel collectives
+allocate there (`allocate_on_cpu`). The CPU run checks numerics and wiring, not time or
+energy.
 """
 
 from __future__ import annotations
@@ -52,6 +64,8 @@ except ImportError:
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
 
 EXAMPLE_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_gpt.yaml")
+EXAMPLE_SP_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "megatron_gpt_sp.yaml")
 
 
 def fail(msg: str) -> None:
@@ -74,7 +88,8 @@ def load(args: argparse.Namespace):
             plan = MegatronPlan.from_file(args.plan, stage=0)
             job = plan.job
         else:
-            plan, job = None, build_job(config=EXAMPLE_JOB)
+            plan, job = None, build_job(config=EXAMPLE_SP_JOB if args.sequence_parallel
+                                        else EXAMPLE_JOB)
     except KareusError as exc:
         fail(str(exc))
     if job.pp != 1:
@@ -82,6 +97,12 @@ def load(args: argparse.Namespace):
              f"(pp: 1)")
     if job.tp != args.tp:
         fail(f"--tp {args.tp}, but the plan's job has tp {job.tp}")
+    if job.sequence_parallel != args.sequence_parallel:
+        fail(f"the plan's job {'has' if job.sequence_parallel else 'has no'} sequence "
+             f"parallelism: {'add' if job.sequence_parallel else 'drop'} "
+             f"--sequence-parallel")
+    if args.sequence_parallel and args.tp < 2:
+        fail("--sequence-parallel needs --tp 2 or more (Megatron turns it off at TP=1)")
     if job.recompute and args.backend == "gloo":
         fail("the plan's job has full recompute, whose Megatron checkpoint saves the CUDA "
              "RNG state: on the CPU use a job with recompute: false "
@@ -90,8 +111,9 @@ def load(args: argparse.Namespace):
 
 
 def config(job, tp: int):
-    """The model's configuration, recompute as the plan's job has it (MegatronPlan refuses
-    a model whose recompute differs: the plan's times assume one or the other)."""
+    """The model's configuration, recompute and sequence parallelism as the plan's job has
+    them (MegatronPlan refuses a model where either differs: the plan's times assume
+    one or the other)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = job.model
@@ -104,21 +126,32 @@ def config(job, tp: int):
         use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, params_dtype=torch.float32,
         bf16=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp)
+        tensor_model_parallel_size=tp, sequence_parallel=job.sequence_parallel)
 
 
 def build(job, tp: int, kareus: bool, cpu: bool, seed: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
+    from kareus.integrations.megatron.cpu import (
+        SDPACoreAttention,
+        SequenceParallelNorm,
+        with_core_attention,
+        with_norm,
+    )
     from kareus.integrations.megatron.spec import kareus_layer_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if cpu:
         spec = with_core_attention(spec, SDPACoreAttention)
+    if job.sequence_parallel:
+        spec = with_norm(spec, SequenceParallelNorm)
     if kareus:
         spec = kareus_layer_spec(spec)
+    if job.sequence_parallel:  # the block's final norm too
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * job.model.num_layers,
+                                          layer_norm=SequenceParallelNorm)
     torch.manual_seed(seed)  # the same initialisation for both models
     model = GPTModel(config(job, tp), spec, vocab_size=job.model.vocab_size,
                      max_sequence_length=job.seq_length,
@@ -176,6 +209,8 @@ def train(model, data, steps: int, lr: float, plan=None, reference=None):
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not "
                                               "installed")
+    # Megatron's own SP reduce-scatter calls torch's older name (torch warns per call)
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Megatron needs it for TP on GPUs (launch order is execution order across streams,
     # which "launch the collective before op k" relies on); harmless on the CPU
@@ -187,9 +222,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from kareus.integrations.megatron.cpu import allocate_on_cpu
     from kareus.integrations.megatron.plan import MegatronPlan
     from kareus.runtime.frequency_controller import FrequencyController
 
+    if cpu:
+        allocate_on_cpu()
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=cpu)
@@ -227,9 +265,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 print(f"step {step} loss {loss:.6f}", flush=True)
             if plan is not None:
                 overlapped = sum(1 for _m, _d, lp in plan.log if lp is not None)
+                what = ("the sequence-parallel partitions overlapped (all-gathers and "
+                        "reduce-scatters)" if job.sequence_parallel
+                        else "the partitioned overlap")
                 print(f"plan {plan.plan.id}: {overlapped} of {len(plan.log)} instructions "
-                      f"ran the partitioned overlap, the others Megatron's layer",
-                      flush=True)
+                      f"ran {what}, the others Megatron's layer", flush=True)
                 used: dict[str, set] = {}
                 for _m, _d, lp in plan.log:
                     for key, s in (lp.settings.items() if lp is not None else ()):
@@ -244,6 +284,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             if rank == 0:
                 print(json.dumps({"schema_version": 1, "plan": plan.plan.id if plan else None,
                                   "steps": args.steps, "ranks": world,
+                                  "sequence_parallel": job.sequence_parallel,
+                                  "max_rel_err": float(worst.max()),
                                   "max_rel_err_loss": float(worst[0]),
                                   "max_rel_err_grad": float(worst[1])}), flush=True)
     finally:
@@ -259,6 +301,9 @@ def clock_log(directory: str, rank: int | str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="Megatron's sequence parallelism (the plan's job must have it; "
+                         "without --plan: examples/megatron_gpt_sp.yaml)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--plan", help="a Kareus plan file (kareus plan export --format json)")
     ap.add_argument("--steps", type=int, default=3)

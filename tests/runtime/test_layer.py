@@ -128,3 +128,92 @@ def test_overlapped_layer_equals_the_plain_layer_cp2(tmp_path):
         assert set(worst) == {*PLANS_CP, "vs one GPU"}
         for name, err in worst.items():
             assert err < 1e-5, (rank, name, err)
+
+
+JOB_SP = build_job(overrides=dict(
+    model=dict(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4,
+               num_kv_heads=2, head_dim=16, ffn_hidden_size=128, vocab_size=100),
+    tp=2, pp=1, micro_batch_size=2, seq_length=32, gpus_per_node=2, nodes=1,
+    sequence_parallel=True))
+PARTS_SP = Workload.build(JOB_SP).partitions.partitions
+PLANS_SP = {
+    "no overlap": {k: PartitionSetting(3, None) for k in PARTS_SP},
+    "earliest": {k: PartitionSetting(3, p.slots[0].name) for k, p in PARTS_SP.items()},
+    "middle": {k: PartitionSetting(6, p.slots[len(p.slots) // 2].name)
+               for k, p in PARTS_SP.items()},
+    "last": {k: PartitionSetting(9, p.slots[-1].name) for k, p in PARTS_SP.items()},
+}
+
+
+class _CountingCollectives:
+    """Counts the asynchronous all-gathers and reduce-scatters the SP schedule issues."""
+
+    def __init__(self) -> None:
+        self.counts = {"all_gather": 0, "reduce_scatter": 0}
+        self._ag, self._rs = dist.all_gather_into_tensor, dist.reduce_scatter_single
+
+    def __enter__(self):
+        def ag(*a, **k):
+            self.counts["all_gather"] += bool(k.get("async_op"))
+            return self._ag(*a, **k)
+
+        def rs(*a, **k):
+            self.counts["reduce_scatter"] += bool(k.get("async_op"))
+            return self._rs(*a, **k)
+
+        dist.all_gather_into_tensor, dist.reduce_scatter_single = ag, rs
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_into_tensor, dist.reduce_scatter_single = self._ag, self._rs
+
+
+def _worker_sp(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        layer = LlamaLayer(**SHAPE, tp_group=dist.group.WORLD, seed=7, sequence_parallel=True)
+        full_x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(31))
+        full_dy = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(32))
+        x = full_x.chunk(2, dim=1)[rank].contiguous()  # this rank's part of the sequence
+        dy = full_dy.chunk(2, dim=1)[rank].contiguous()
+        with _CountingCollectives() as counting:
+            ref, worst = _worst_errors(layer, x, dy, PARTS_SP, PLANS_SP)
+        # the SP layer computes what the TP layer computes (this rank's part of it; the
+        # norm weights' gradients are this rank's part of the sum, as in Megatron)
+        tp = LlamaLayer(**SHAPE, tp_group=dist.group.WORLD, seed=7)
+        xt = full_x.clone().requires_grad_(True)
+        yt = tp(xt)
+        yt.backward(full_dy)
+        mine = lambda t: t.chunk(2, dim=1)[rank]  # noqa: E731
+        norms = [p.grad.clone() for p in (layer.norm1, layer.norm2)]
+        for n in norms:
+            dist.all_reduce(n)
+        worst["SP vs TP output"] = float(((ref[0] - mine(yt)).abs().max()
+                                          / yt.abs().max()).item())
+        worst["SP vs TP input grad"] = float(((ref[1] - mine(xt.grad)).abs().max()
+                                              / xt.grad.abs().max()).item())
+        worst["SP vs TP norm grads"] = max(
+            float(((n - p.grad).abs().max() / p.grad.abs().max()).item())
+            for n, p in zip(norms, (tp.norm1, tp.norm2)))
+        # 4 plans' forwards and backwards, each 8 partitions' collectives (4 all-gathers,
+        # 4 reduce-scatters) per pass, asynchronous
+        torch.save((worst, counting.counts), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_overlapped_sp_layer_equals_the_plain_sp_and_tp_layers(tmp_path):
+    """Sequence parallelism at TP=2: the overlapped schedule over the SP partitions equals
+    the plain SP layer (outputs and every gradient) for plans over their slots, and the
+    SP layer equals the TP layer; the schedule's collectives are asynchronous."""
+    assert {"fwd_ln1_ag", "fwd_attn_rs", "bwd_mlp_ag", "bwd_attn_rs"} <= set(PARTS_SP)
+    mp.spawn(_worker_sp, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        worst, counts = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(worst) == {*PLANS_SP, "SP vs TP output", "SP vs TP input grad",
+                              "SP vs TP norm grads"}
+        for name, err in worst.items():
+            assert err < 1e-5, (rank, name, err)
+        passes = 2 * len(PLANS_SP)
+        assert counts == {"all_gather": 4 * passes, "reduce_scatter": 4 * passes}

@@ -2,7 +2,8 @@
 
 - `model`: `LlamaLayer`, the decoder layer (plain, or a plan's partitioned overlap);
 - `layer_plan`: `LayerPlan`, what the layer takes of a plan (no torch);
-- `overlap`, `overlap_tp`, `overlap_cp`: the overlapped schedules;
+- `overlap`, `pieces`, `overlap_tp`, `overlap_sp`, `overlap_cp`: the overlapped schedules
+  (TP, sequence parallelism, CP) and what they share;
 - `primitives`: tensor/context-parallel operators, RMSNorm, rotary;
 - `frequency_controller`: the plan's clock per pipeline instruction.
 

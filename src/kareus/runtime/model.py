@@ -3,14 +3,18 @@ runs a Kareus plan's partitioned overlap — forward and backward — and comput
 the plain layer computes.
 
 Shards (Megatron): QKV and FC1 column parallel, output projection and FC2 row parallel,
-norms replicated. The plain layer (``layer(x)``) uses Megatron's two autograd operators and
-blocking collectives (kareus.runtime.primitives). With a `LayerPlan` (``layer(x, plan)``)
-it splits the microbatch into two nanobatches and runs Kareus's partitions: one custom
-autograd Function owns the whole schedule (kareus.runtime.overlap_tp over the layer's
-ops, or overlap_cp with context parallelism). Each collective is issued asynchronously
-(NCCL runs it on its own stream; with the plan's SM count when a group per SM setting is
-given) just before the compute op named by the plan's slot, and waited for at the end of
-its partition.
+norms replicated. With ``sequence_parallel`` (Megatron's sequence parallelism), the
+layer's input and output are this rank's part of the sequence: the norms and residuals run
+on it, the norm outputs are all-gathered along the sequence before QKV and FC1, and the
+row-parallel outputs reduce-scattered. The plain layer (``layer(x)``) uses Megatron's two
+autograd operators and blocking collectives (kareus.runtime.primitives). With a
+`LayerPlan` (``layer(x, plan)``) it splits the microbatch into two nanobatches and runs
+Kareus's partitions: one custom autograd Function owns the whole schedule
+(kareus.runtime.overlap_tp over the layer's ops, overlap_sp with sequence parallelism,
+overlap_cp with context parallelism). Each collective is issued asynchronously (NCCL runs
+it on its own stream; with the plan's SM count when a group per SM setting is given) just
+before the compute op named by the plan's slot, and waited for at the end of its
+partition.
 
 The overlap changes when things run, never what they compute (tested: outputs and every
 gradient equal the plain layer's).
@@ -24,12 +28,14 @@ import torch.nn.functional as F
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps, layer_params
 from kareus.runtime.overlap_cp import OverlappedCP
+from kareus.runtime.overlap_sp import OverlappedSP
 from kareus.runtime.overlap_tp import Before, OverlappedTP, no_slot
 from kareus.runtime.primitives import (
     CopyToTP,
     GatherSeq,
     Group,
     ReduceFromTP,
+    ScatterSeqSum,
     rank_in,
     rmsnorm,
     rotary,
@@ -41,8 +47,15 @@ class LlamaLayer(torch.nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
                  tp_group: Group = None, seed: int = 0, dtype: torch.dtype = torch.float32,
                  groups_by_sms: GroupsBySms | None = None, cp_group: Group = None,
-                 cp_groups_by_sms: GroupsBySms | None = None) -> None:
+                 cp_groups_by_sms: GroupsBySms | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        if sequence_parallel and world_size(cp_group) > 1:
+            raise ValueError("LlamaLayer runs sequence parallelism without context "
+                             "parallelism")
+        # one rank's part of the sequence is the whole sequence without TP (as Megatron
+        # turns sequence parallelism off at TP=1)
+        self.sequence_parallel = sequence_parallel and world_size(tp_group) > 1
         self.group = tp_group
         self.cp_group = cp_group
         self.cp = world_size(cp_group)
@@ -137,6 +150,7 @@ class LlamaLayer(torch.nn.Module):
     # The ops of the TP schedule (kareus.runtime.overlap_tp.TPLayerOps) ------------------------
 
     batch_dim = 0
+    seq_dim = 1
 
     def attn_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm(x, self.norm1)
@@ -174,11 +188,14 @@ class LlamaLayer(torch.nn.Module):
         if self.cp > 1:
             return OverlappedCP.apply(x, self, plan, *layer_params(self))
         # the layer's own full recompute: the backward rebuilds each piece
-        return OverlappedTP.apply(x, self, plan, False, *layer_params(self))
+        schedule = OverlappedSP if self.sequence_parallel else OverlappedTP
+        return schedule.apply(x, self, plan, False, *layer_params(self))
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """Blocking collectives, ordinary autograd."""
         g = self.group
+        if self.sequence_parallel:
+            return self._plain_sp(x)
         a = CopyToTP.apply(rmsnorm(x, self.norm1), g)
         q, kv = self.qkv_core(a)
         if self.cp > 1:
@@ -186,3 +203,11 @@ class LlamaLayer(torch.nn.Module):
         h = x + ReduceFromTP.apply(self.attention(q, kv) @ self.wo, g)
         bn = CopyToTP.apply(rmsnorm(h, self.norm2), g)
         return h + ReduceFromTP.apply(self.mlp_core(bn), g)
+
+    def _plain_sp(self, x: torch.Tensor) -> torch.Tensor:
+        """Sequence parallelism: ``x`` is this rank's part of the sequence."""
+        g = self.group
+        q, kv = self.qkv_core(GatherSeq.apply(rmsnorm(x, self.norm1), g))
+        h = x + ScatterSeqSum.apply(self.attention(q, kv) @ self.wo, g)
+        bn = GatherSeq.apply(rmsnorm(h, self.norm2), g)
+        return h + ScatterSeqSum.apply(self.mlp_core(bn), g)

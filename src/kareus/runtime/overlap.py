@@ -1,4 +1,4 @@
-"""What the TP and CP overlapped schedules share: the layer they run, their asynchronous
+"""What the TP, SP and CP overlapped schedules share: the layer they run, their asynchronous
 partition collectives, the hooks that issue a collective at its slot, and the sums of the
 parameter gradients their backward passes return.
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kareus.runtime.layer_plan import LayerPlan
-from kareus.runtime.primitives import Group, rank_in, world_size
+from kareus.runtime.primitives import Group, world_size
 
 GroupsBySms = Callable[[int], Group]
 """The process group whose NCCL communicator runs a collective on that many SMs."""
@@ -59,57 +59,76 @@ def layer_params(layer: OverlapLayer) -> list[torch.nn.Parameter]:
 class Pending:
     """One asynchronous collective of a partition: issued once (before the slot's op),
     waited for once (at the partition's end). With ``groups_by_sms``, it runs on the
-    process group for its SM count (NCCL min_ctas = max_ctas = SMs)."""
+    process group for its SM count (NCCL min_ctas = max_ctas = SMs). An all-gather
+    concatenates the ranks' tensors along ``dim``; a reduce-scatter sums them and keeps
+    this rank's part along ``dim`` (the sequence: 1 for [b, s, ...], 0 for Megatron's
+    [s, b, h])."""
 
     def __init__(self, kind: str, tensor: torch.Tensor, group: Group, sms: int = 0,
-                 groups_by_sms: GroupsBySms | None = None) -> None:
-        self.kind, self.tensor, self.group = kind, tensor, group
+                 groups_by_sms: GroupsBySms | None = None, dim: int = 1) -> None:
+        if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
+            raise ValueError(f"unknown collective {kind}")
+        self.kind, self.tensor, self.group, self.dim = kind, tensor, group, dim
         if groups_by_sms is not None and sms > 0 and world_size(group) > 1:
             self.group = groups_by_sms(sms)
         self.work: dist.Work | None = None
         self.result: torch.Tensor | None = None
         self.issued = False
-        self._parts: list[torch.Tensor] = []
+        self._src: torch.Tensor | None = None
 
     def issue(self) -> None:
         if self.issued:
             return
         self.issued = True
         t, g = self.tensor, self.group
-        if world_size(g) <= 1:
+        n = world_size(g)
+        if n <= 1:
             self.result = t
             return
         if self.kind == "all_reduce":
             self.result = t
             self.work = dist.all_reduce(t, group=g, async_op=True)
-        elif self.kind == "all_gather":
-            self._parts = [torch.empty_like(t) for _ in range(world_size(g))]
-            self.work = dist.all_gather(self._parts, t.contiguous(), group=g, async_op=True)
-        elif self.kind == "reduce_scatter":  # all-reduce, then this rank's chunk (gloo has
-            self.result = t.contiguous().clone()  # no reduce-scatter; same numbers)
-            self.work = dist.all_reduce(self.result, group=g, async_op=True)
+            return
+        # both run on the first dimension: the sequence moved there (a view where it is
+        # already first, as in Megatron's [s, b, h])
+        self._src = t.movedim(self.dim, 0).contiguous()
+        rows = self._src.shape[0]
+        if self.kind == "all_gather":
+            self.result = self._src.new_empty((rows * n, *self._src.shape[1:]))
+            self.work = dist.all_gather_into_tensor(self.result, self._src, group=g,
+                                                    async_op=True)
         else:
-            raise ValueError(f"unknown collective {self.kind}")
+            if rows % n:
+                raise ValueError(f"a reduce-scatter over {n} ranks needs a sequence "
+                                 f"divisible by {n}, not {rows}")
+            self.result = self._src.new_empty((rows // n, *self._src.shape[1:]))
+            self.work = _reduce_scatter(self.result, self._src, g)
 
     def wait(self) -> torch.Tensor:
         self.issue()
         if self.work is not None:
             self.work.wait()
             self.work = None
-            if self.kind == "all_gather":
-                self.result = torch.cat(self._parts, dim=1)
-            elif self.kind == "reduce_scatter":
-                assert self.result is not None
-                n = world_size(self.group)
-                self.result = self.result.chunk(n, dim=1)[rank_in(self.group)].contiguous()
+            self._src = None
+            if self.kind != "all_reduce" and self.result is not None and self.dim != 0:
+                self.result = self.result.movedim(0, self.dim).contiguous()
         assert self.result is not None
         return self.result
 
 
+def _reduce_scatter(out: torch.Tensor, src: torch.Tensor, group: Group) -> dist.Work:
+    """Asynchronous reduce-scatter along the first dimension (torch's newer name where it
+    has it: ``reduce_scatter_tensor`` warns that it is deprecated)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = fn(out, src, group=group, async_op=True)
+    assert work is not None
+    return work
+
+
 class PartitionCollectives:
-    """Makes the collective a partition hides: all-reduces on the TP group, all-gathers
-    and reduce-scatters on the CP group, each (where a group per SM count is given) on the
-    group for the SMs the plan gives the partition."""
+    """Makes the collective a partition hides in the CP schedule: all-reduces on the TP
+    group, all-gathers and reduce-scatters on the CP group, each (where a group per SM
+    count is given) on the group for the SMs the plan gives the partition."""
 
     def __init__(self, layer: OverlapLayer, plan: LayerPlan) -> None:
         self.layer, self.plan = layer, plan

@@ -2,7 +2,8 @@
 
 Megatron's two autograd operators (copy-to-TP: identity forward, all-reduce of the gradient
 backward; reduce-from-TP: all-reduce forward, identity backward), the sequence all-gather
-and reduce-scatter of context parallelism (and the autograd operator pairing them), RMSNorm
+and reduce-scatter of context and sequence parallelism (and the autograd operators pairing
+them), RMSNorm
 and its recomputed backward, rotary embeddings, and the world size and rank of a group
 (1 and 0 without one, or outside torch.distributed).
 """
@@ -81,7 +82,8 @@ def scatter_seq_sum(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 class GatherSeq(torch.autograd.Function):
-    """CP all-gather mode: gather K, V forward; reduce-scatter their gradients backward."""
+    """Gather along the sequence forward; reduce-scatter the gradient backward (CP
+    all-gather mode: K and V; sequence parallelism: a norm's output, on the TP group)."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, group: Group) -> torch.Tensor:
@@ -91,6 +93,20 @@ class GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return scatter_seq_sum(g, ctx.group), None
+
+
+class ScatterSeqSum(torch.autograd.Function):
+    """Sequence parallelism's row-parallel output: reduce-scatter along the sequence
+    forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return scatter_seq_sum(t, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gather_seq(g, ctx.group), None
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

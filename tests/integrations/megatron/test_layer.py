@@ -196,7 +196,8 @@ def _refusal(fn) -> str:
     return "accepted"
 
 
-def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> dict:
+def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb, parts=PARTS,
+                                   knobs=None, **extra) -> dict:
     """Megatron's own TransformerBlock with recompute_granularity="full" (uniform, one
     layer per chunk). Its CheckpointFunction saves the CUDA RNG state, which a CPU build
     has not: Megatron's two RNG-state helpers are swapped for no-ops here (torch.cuda is
@@ -215,8 +216,9 @@ def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> 
         runs = {}
         for name, spec, recompute in (("plain", plain_spec, False),
                                       ("kareus", kareus_spec, True)):
-            c = _config(**({"recompute_granularity": "full", "recompute_method": "uniform",
-                            "recompute_num_layers": 1} if recompute else {}))
+            c = _config(**extra, **({"recompute_granularity": "full",
+                                     "recompute_method": "uniform",
+                                     "recompute_num_layers": 1} if recompute else {}))
             torch.manual_seed(1)
             block = TransformerBlock(c, TransformerBlockSubmodules(layer_specs=[spec] * 2),
                                      post_layer_norm=False)
@@ -225,7 +227,8 @@ def _block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x, dy, emb) -> 
                 layer.input_layernorm.register_forward_hook(
                     lambda *_, calls=calls: calls.append(1))
                 if name == "kareus":
-                    layer.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 2"]))
+                    layer.set_kareus_plan(LayerPlan.from_partitions(
+                        parts, knobs if knobs is not None else PLANS["slot 2"]))
             xi = x.clone().requires_grad_(True)
             y = block(xi, attention_mask=None, rotary_pos_emb=emb)
             y.backward(dy)
@@ -268,14 +271,13 @@ def _train_gpt(plain_spec, kareus_spec) -> dict:
 
 
 def _refusals(kareus_spec) -> dict:
-    """A plan on a layer whose configuration it cannot run. Sequence and context
-    parallelism cannot even be built on the CPU (their norms and groups need CUDA or more
-    ranks), so the layer is built plain and its configuration then says so."""
+    """A plan on a layer whose configuration it cannot run. Context parallelism cannot
+    even be built on the CPU (its groups need more ranks), so the layer is built plain and
+    its configuration then says so."""
     from megatron.core.transformer.spec_utils import build_module
 
     out = {}
-    for what, extra in (("sequence parallel", {"sequence_parallel": True}),
-                        ("context parallel", {"context_parallel_size": 2}),
+    for what, extra in (("context parallel", {"context_parallel_size": 2}),
                         ("selective recompute", {"recompute_granularity": "selective"})):
         torch.manual_seed(0)
         layer = build_module(kareus_spec, config=_config(), layer_number=1)
@@ -362,6 +364,200 @@ def test_unsupported_configurations_are_refused_in_one_line(results):
         assert "Transformer Engine" in te and "\n" not in te
         for what, msg in res["refusals"].items():
             assert msg.startswith("SpecError: a Kareus plan cannot run with"), (what, msg)
-            assert "supported: tensor parallelism without sequence parallelism" in msg
+            assert ("supported: tensor parallelism with or without sequence parallelism"
+                    in msg)
             assert "\n" not in msg
         assert "even size" in results[0]["unsplittable"]
+
+
+# Sequence parallelism -------------------------------------------------------------------------
+
+JOB_SP = build_job(overrides=dict(
+    model=dict(name="tiny", hidden_size=HIDDEN, num_layers=2, num_attention_heads=HEADS,
+               num_kv_heads=GROUPS, head_dim=HIDDEN // HEADS, ffn_hidden_size=FFN,
+               vocab_size=128),
+    tp=2, pp=1, micro_batch_size=BATCH, seq_length=SEQ, gpus_per_node=2, nodes=1,
+    sequence_parallel=True))
+PARTS_SP = Workload.build(JOB_SP).partitions.partitions
+PLANS_SP = {"no overlap": {k: PartitionSetting(3, None) for k in PARTS_SP}}
+for i in range(max(len(p.slots) for p in PARTS_SP.values())):
+    PLANS_SP[f"slot {i}"] = {k: PartitionSetting(2 * (i + 1),
+                                                 p.slots[min(i, len(p.slots) - 1)].name)
+                             for k, p in PARTS_SP.items()}
+
+
+def _sp_specs():
+    """Megatron's local spec with the SP-capable CPU norm (Megatron's WrappedTorchNorm
+    refuses sequence parallelism; its FusedLayerNorm needs Apex and CUDA)."""
+    from kareus.integrations.megatron.cpu import SequenceParallelNorm, with_norm
+    from kareus.integrations.megatron.spec import kareus_layer_spec
+
+    plain = with_norm(_specs()[0], SequenceParallelNorm)
+    return plain, kareus_layer_spec(plain)
+
+
+class _SPCounter:
+    """Counts the sequence all-gathers and reduce-scatters: Megatron's (its mappings'
+    and its linears', blocking) and the schedule's (torch.distributed, asynchronous)."""
+
+    def __init__(self) -> None:
+        from megatron.core.tensor_parallel import layers, mappings
+
+        self.modules = (mappings, layers)
+        self.megatron = 0
+        self.schedule = 0
+        self._saved = [(m.dist_all_gather_func, m.dist_reduce_scatter_func)
+                       for m in self.modules]
+        self._torch = (dist.all_gather_into_tensor, dist.reduce_scatter_single)
+
+    def _megatron(self, fn):
+        def call(*a, **k):
+            self.megatron += 1
+            return fn(*a, **k)
+        return call
+
+    def _schedule(self, fn):
+        def call(*a, **k):
+            self.schedule += bool(k.get("async_op"))
+            return fn(*a, **k)
+        return call
+
+    def __enter__(self):
+        for m, (ag, rs) in zip(self.modules, self._saved):
+            m.dist_all_gather_func = self._megatron(ag)
+            m.dist_reduce_scatter_func = self._megatron(rs)
+        tag, trs = self._torch
+        dist.all_gather_into_tensor = self._schedule(tag)
+        dist.reduce_scatter_single = self._schedule(trs)
+        return self
+
+    def __exit__(self, *exc):
+        for m, (ag, rs) in zip(self.modules, self._saved):
+            m.dist_all_gather_func, m.dist_reduce_scatter_func = ag, rs
+        dist.all_gather_into_tensor, dist.reduce_scatter_single = self._torch
+
+    def take(self) -> tuple[int, int]:
+        got = (self.megatron, self.schedule)
+        self.megatron = self.schedule = 0
+        return got
+
+
+def _finalized_norm_grads(layer) -> list:
+    """The gradients of the parameters marked sequence_parallel, summed over the TP group
+    as Megatron's finalize_model_grads sums them."""
+    out = []
+    for p in layer.parameters():
+        if getattr(p, "sequence_parallel", False):
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            out.append(g)
+    return out
+
+
+def _worker_sp(rank: int, world: int, port: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.integrations.megatron.cpu import allocate_on_cpu, rotary_embedding
+
+    allocate_on_cpu()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    res: dict = {}
+    try:
+        cfg = _config(sequence_parallel=True)
+        plain_spec, kareus_spec = _sp_specs()
+        torch.manual_seed(0)
+        plain = build_module(plain_spec, config=cfg, layer_number=1)
+        torch.manual_seed(0)
+        kareus = build_module(kareus_spec, config=cfg, layer_number=1)
+        marked = lambda layer: [n for n, p in layer.named_parameters()  # noqa: E731
+                                if getattr(p, "sequence_parallel", False)]
+        res["marked"] = (marked(plain), marked(kareus))
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).chunk(2, dim=0)[rank].contiguous()
+        dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g).chunk(2, dim=0)[rank].contiguous()
+        emb = rotary_embedding(HIDDEN // HEADS, SEQ)
+        with _SPCounter() as counter:
+            ref = _layer_run(plain, x, dy, emb)
+            ref_norms = _finalized_norm_grads(plain)
+            res["collectives plain"] = counter.take()
+            worst = {}
+            for name, knobs in PLANS_SP.items():
+                kareus.set_kareus_plan(LayerPlan.from_partitions(PARTS_SP, knobs))
+                got = _layer_run(kareus, x, dy, emb)
+                res[f"collectives {name}"] = counter.take()
+                worst[name] = max(_rel(a, b) for a, b in zip(got, ref))
+            worst["finalized norm grads"] = max(
+                _rel(a, b) for a, b in zip(_finalized_norm_grads(kareus), ref_norms))
+            res["worst"] = worst
+            # full recompute (reentrant checkpoint): forward, re-run, backward; the
+            # backward uses the re-run's graphs
+            ref_ck = _layer_run(plain, x, dy, emb, checkpoint=True)
+            counter.take()
+            res["recompute_worst"] = max(_rel(a, b) for a, b in zip(
+                _layer_run(kareus, x, dy, emb, checkpoint=True), ref_ck))
+            res["collectives recompute"] = counter.take()
+        kareus.set_kareus_plan(None)
+        res["unset_equals_plain"] = max(_rel(a, b) for a, b in
+                                        zip(_layer_run(kareus, x, dy, emb), ref))
+        res.update(_block_with_megatron_recompute(
+            cfg, plain_spec, kareus_spec, x, dy, emb, PARTS_SP, PLANS_SP["slot 1"],
+            sequence_parallel=True))
+    finally:
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_sp")
+    mp.spawn(_worker_sp, args=(2, _port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_sequence_parallel_plans_equal_megatron_s_sp_layer(sp_results):
+    """TP=2 with sequence parallelism: for plans over every slot of every SP partition,
+    the output and every gradient equal Megatron's own SP layer's, and so do the norm
+    gradients Megatron's finalize_model_grads sums; the sequence all-gathers and
+    reduce-scatters all come from the schedule (8 per pass, asynchronous), Megatron's
+    own are off (10 per layer: forward 2 all-gathers and 2 reduce-scatters; backward
+    the all-gathers of the two output gradients and of the two inputs again for the
+    weight gradients, and 2 reduce-scatters)."""
+    assert len(PLANS_SP) >= 4
+    for rank, res in enumerate(sp_results):
+        assert res["collectives plain"] == (10, 0)
+        assert set(res["worst"]) == {*PLANS_SP, "finalized norm grads"}
+        for name, err in res["worst"].items():
+            assert err < 1e-5, (rank, name, err)
+        for name in PLANS_SP:
+            assert res[f"collectives {name}"] == (0, 16), name
+
+
+def test_sequence_parallel_norms_are_marked_as_megatron_marks_them(sp_results):
+    for res in sp_results:
+        plain, kareus = res["marked"]
+        assert plain == kareus == ["input_layernorm.weight", "pre_mlp_layernorm.weight"]
+
+
+def test_sequence_parallel_full_recompute_communicates_nothing_a_third_time(sp_results):
+    for res in sp_results:
+        assert res["recompute_worst"] < 1e-5
+        # the forward (no grad) and its re-run: 8 each; the backward: 8
+        assert res["collectives recompute"] == (0, 24)
+
+
+def test_sequence_parallel_in_megatron_s_block_with_full_recompute(sp_results):
+    for res in sp_results:
+        assert res["block_recompute_worst"] < 1e-5
+        assert res["block_norm_calls_kareus"] == 8  # 2 layers x 2 nanobatches x 2 passes
+
+
+def test_sequence_parallel_without_a_plan_is_megatron_s(sp_results):
+    for res in sp_results:
+        assert res["unset_equals_plain"] == 0.0

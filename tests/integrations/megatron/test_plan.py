@@ -192,6 +192,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["recompute mismatch"] = "accepted"
         except SpecError as exc:
             res["recompute mismatch"] = str(exc)
+        # a model with sequence parallelism where the plan's job has none (its config
+        # says so: an SP layer's norms cannot be built on the CPU by this spec)
+        sp_layer = build_module(spec, config=cfg, layer_number=1)
+        sp_layer.config = dataclasses.replace(cfg, sequence_parallel=True)
+        try:
+            MegatronPlan(plan, JOB, 0).attach(torch.nn.ModuleList([sp_layer]))
+            res["sp mismatch"] = "accepted"
+        except SpecError as exc:
+            res["sp mismatch"] = str(exc)
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
@@ -245,6 +254,15 @@ def test_a_model_without_the_plan_s_recompute_is_refused(driven):
                                                     "recompute_granularity None")
 
 
+def test_a_model_whose_sequence_parallelism_differs_from_the_plan_s_is_refused(driven):
+    _out, results = driven
+    for res in results:
+        msg = res["sp mismatch"]
+        assert msg == ("the model is not the plan's job: sequence_parallel True (the "
+                       "plan's job: no sequence parallelism)"), msg
+
+
+
 def test_a_schedule_out_of_the_plan_s_order_fails_at_once(driven):
     _out, results = driven
     for res in results:
@@ -260,8 +278,7 @@ def test_jobs_the_layer_cannot_run_are_refused_in_one_line():
     base = JOB.model_dump()
     chunks = {**{k: v for k, v in base.items() if k != "layers_per_stage"},
               "model": {**base["model"], "num_layers": 4}, "virtual_pipeline": 2}
-    for fields, what in (({**base, "sequence_parallel": True}, "sequence parallelism"),
-                         ({**base, "cp": 2, "gpus_per_node": 8}, "context parallelism"),
+    for fields, what in (({**base, "cp": 2, "gpus_per_node": 8}, "context parallelism"),
                          (chunks, "interleaved 1F1B (virtual_pipeline 2)")):
         job = build_job(overrides=fields)
         with pytest.raises(SpecError) as info:

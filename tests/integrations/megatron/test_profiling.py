@@ -27,15 +27,17 @@ JOB = build_job(overrides=dict(
     nodes=1, search_freqs_mhz=(1410,)))
 
 
-def _worker(_rank: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    from kareus.backends.nvml import FakeGpuSpec
+JOB_SP = build_job(overrides={**JOB.model_dump(), "sequence_parallel": True})
+
+
+def _run_every_slot(job, res: dict) -> None:
+    """Every partition of ``job`` at every slot, twice: per (key, slot) the events (the
+    collective's launches with the number of ops announced before them; the parameters'
+    gradients) and the ops announced."""
     from kareus.integrations.megatron.profiling import MegatronRuntime
 
-    wl = Workload.build(JOB)
-    rt = MegatronRuntime(JOB, "cpu")
-    res: dict = {"params": sum(p.numel() for p in rt.layer.parameters())}
-    for key, part in wl.partitions.partitions.items():
+    rt = MegatronRuntime(job, "cpu")
+    for key, part in Workload.build(job).partitions.partitions.items():
         for slot in [s.name for s in part.slots] + [None]:
             events: list = []
             box: list = []  # the runner, once built: where its ops stand at the launch
@@ -55,6 +57,19 @@ def _worker(_rank: int, out_dir: str) -> None:
                 for h in hooks:
                     h.remove()
             res[(key, slot)] = (events, list(getattr(runner, "ops_run", [])))
+
+
+def _worker(_rank: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    from kareus.backends.nvml import FakeGpuSpec
+    from kareus.integrations.megatron.profiling import MegatronRuntime
+
+    wl = Workload.build(JOB)
+    rt = MegatronRuntime(JOB, "cpu")
+    res: dict = {"params": sum(p.numel() for p in rt.layer.parameters())}
+    _run_every_slot(JOB, res)
+    res["sp"] = {}
+    _run_every_slot(JOB_SP, res["sp"])
     spec = FakeGpuSpec(runtime="megatron",
                        protocol=MeasurementProtocol(window_s=0.01, cooldown_s=0.0,
                                                     settle_s=0.0))
@@ -64,6 +79,13 @@ def _worker(_rank: int, out_dir: str) -> None:
         part = wl.partitions.partitions["fwd_attn"]
         m = backend.measure(part, Knobs(1410, 6, part.slots[1].name))
         res["measured"] = (m.time_s, m.energy_j)
+    wl_sp = Workload.build(JOB_SP)
+    with spec.open(wl_sp) as backend:
+        res["sp measured"] = {}
+        for key in ("fwd_ln1_ag", "fwd_attn_rs", "bwd_mlp_ag", "bwd_ln2_rs"):
+            part = wl_sp.partitions.partitions[key]
+            m = backend.measure(part, Knobs(1410, 4, part.slots[0].name))
+            res["sp measured"][key] = (m.time_s, m.energy_j)
     with FakeGpuSpec().open(wl) as backend:
         res["kernels identity"] = backend.identity()
     torch.save(res, os.path.join(out_dir, "res.pt"))
@@ -76,9 +98,11 @@ def measured(tmp_path_factory):
     return torch.load(out / "res.pt", weights_only=False)
 
 
-def test_forward_partitions_launch_before_the_slot_s_op(measured):
-    parts = Workload.build(JOB).partitions.partitions
-    for key in ("fwd_attn", "fwd_mlp"):
+@pytest.mark.parametrize("job", [JOB, JOB_SP], ids=["tp", "sp"])
+def test_forward_partitions_launch_before_the_slot_s_op(measured, job):
+    parts = Workload.build(job).partitions.partitions
+    measured = measured["sp"] if job.sequence_parallel else measured
+    for key in [k for k in parts if k.startswith("fwd")]:
         names = [o.name for o in parts[key].compute_ops]
         for slot in [s.name for s in parts[key].slots] + [None]:
             events, ops_run = measured[(key, slot)]
@@ -93,9 +117,11 @@ def test_forward_partitions_launch_before_the_slot_s_op(measured):
                 assert ops_run[at - 1] == op, (key, slot, ops_run, at)
 
 
-def test_backward_partitions_launch_once_where_the_slot_says(measured):
-    parts = Workload.build(JOB).partitions.partitions
-    for key in ("bwd_mlp", "bwd_attn"):
+@pytest.mark.parametrize("job", [JOB, JOB_SP], ids=["tp", "sp"])
+def test_backward_partitions_launch_once_where_the_slot_says(measured, job):
+    parts = Workload.build(job).partitions.partitions
+    measured = measured["sp"] if job.sequence_parallel else measured
+    for key in [k for k in parts if k.startswith("bwd")]:
         for slot in [s.name for s in parts[key].slots] + [None]:
             events, _ = measured[(key, slot)]
             run = events[:len(events) // 2]  # the first of the two runs
@@ -109,7 +135,9 @@ def test_backward_partitions_launch_once_where_the_slot_says(measured):
             elif op.endswith("_norm_bwd"):
                 assert where[0] < min(grads)  # at the start
             else:  # a gradient hook, inside the partition's backward
-                assert min(grads) < where[0] < max(grads) or op == "fc2_dgrad", (key, slot)
+                # (the partition's first op, as fc2_dgrad of TP's bwd_mlp: at once)
+                first = parts[key].launch_index(slot) == 0
+                assert min(grads) < where[0] < max(grads) or first, (key, slot)
 
 
 def test_the_megatron_runtime_is_journaled_apart(measured):
@@ -127,6 +155,21 @@ def test_an_unknown_or_unsupported_runtime_is_one_line():
 
     with pytest.raises(SpecError, match="unknown runtime 'tvm'; available: kernels, megatron"):
         check_runtime("tvm", JOB)
-    sp = build_job(overrides={**JOB.model_dump(), "sequence_parallel": True})
-    with pytest.raises(SpecError, match="sequence parallelism"):
-        check_runtime("megatron", sp)
+    cp = build_job(overrides={**JOB.model_dump(), "cp": 2, "gpus_per_node": 4})
+    with pytest.raises(SpecError, match="context parallelism"):
+        check_runtime("megatron", cp)
+    check_runtime("megatron", JOB_SP)  # sequence parallelism is measured
+
+
+def test_sequence_parallel_partitions_are_measured_with_megatron_s_modules(measured):
+    """The SP keys (8 forward, 8 backward) each run through Megatron's modules; the
+    norm partitions on a rank's part of the sequence announce just their two ops."""
+    sp = measured["sp"]
+    keys = {k for k, _slot in sp}
+    assert keys == set(Workload.build(JOB_SP).partitions.partitions)
+    # two runs each
+    assert sp[("fwd_ln1_ag", None)][1] == ["residual_mlp", "input_norm"] * 2
+    assert sp[("fwd_ln2_rs", None)][1] == ["residual_attn", "pre_mlp_norm"] * 2
+    assert sp[("fwd_mlp_rs", None)][1] == ["fc1", "swiglu", "fc2"] * 2
+    for key, (time_s, energy_j) in measured["sp measured"].items():
+        assert time_s > 0 and energy_j > 0, key

@@ -8,7 +8,13 @@ touching torch.cuda or Megatron's code:
 - `with_core_attention(spec, cls)`: a layer spec whose core attention is ``cls``;
 - `rotary_embedding(config, seq_length)`: the RoPE tensor [s, 1, 1, d] Megatron's
   `RotaryEmbedding.forward` returns, from its public `get_freqs_non_repeated` (its
-  `get_emb` moves the frequencies to CUDA).
+  `get_emb` moves the frequencies to CUDA);
+- sequence parallelism: `SequenceParallelNorm`, torch's LayerNorm/RMSNorm (what Megatron's
+  `WrappedTorchNorm` builds, which refuses sequence parallelism) with its parameters marked
+  `sequence_parallel` as Megatron's `FusedLayerNorm` (Apex, CUDA) and `TENorm` mark them;
+  `with_norm(spec, cls)`; and `allocate_on_cpu()`: Megatron's sequence-parallel all-gather
+  and reduce-scatter (tensor_parallel/mappings.py) allocate their outputs on
+  ``torch.cuda.current_device()``, which a CPU build of torch has not.
 """
 
 from __future__ import annotations
@@ -74,6 +80,37 @@ def with_core_attention(spec: ModuleSpec, core_attention: type) -> ModuleSpec:
     return dataclasses.replace(
         spec, submodules=dataclasses.replace(
             spec.submodules, self_attention=dataclasses.replace(attn, submodules=sub)))
+
+
+class SequenceParallelNorm:
+    """``cls(config, hidden_size, eps)``: torch's LayerNorm or RMSNorm as the config says,
+    its parameters marked ``sequence_parallel`` with the config (Megatron's
+    `finalize_model_grads` sums their gradients over the TP group)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5,
+                **_: Any) -> Any:  # a torch norm (a Module), as WrappedTorchNorm's
+        kind = getattr(config, "normalization", "LayerNorm")
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(kind)
+        if norm_cls is None:
+            raise ValueError(f"SequenceParallelNorm runs LayerNorm or RMSNorm, not {kind}")
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        return norm
+
+
+def with_norm(spec: ModuleSpec, norm: type) -> ModuleSpec:
+    """``spec`` (a GPT layer spec) whose two layer norms are ``norm``."""
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+
+
+def allocate_on_cpu() -> None:
+    """On a machine without CUDA: ``torch.cuda.current_device()`` is the CPU, so that
+    Megatron's sequence-parallel collectives allocate their outputs there (nothing else
+    on such a machine can use a CUDA device anyway). A no-op where CUDA is available."""
+    if not torch.cuda.is_available():
+        setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # noqa: B010
 
 
 def rotary_embedding(kv_channels: int, seq_length: int, base: float = 10000.0) -> Tensor:

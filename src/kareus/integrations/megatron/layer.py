@@ -2,7 +2,8 @@
 partitioned overlap when it is given one (`kareus_plan`), and is Megatron's own layer when
 it is not.
 
-With a plan, the layer's forward is `kareus.runtime.overlap_tp.OverlappedTP` over
+With a plan, the layer's forward is `kareus.runtime.overlap_tp.OverlappedTP` (with
+``config.sequence_parallel``: `kareus.runtime.overlap_sp.OverlappedSP`) over
 `MegatronLayerOps`: the microbatch is split into two nanobatches along the batch dimension
 (Megatron's hidden states are [s, b, h]: dimension 1), and every piece runs Megatron's own
 modules through their own forward code (`input_layernorm`, the whole `self_attention`,
@@ -15,7 +16,14 @@ while a piece runs, and never the parameters or their layout:
   row-parallel ones (`linear_proj`, `linear_fc2`) with `explicit_expert_comm` (Megatron's
   `RowParallelLinear` then returns its partial sums, as it does for MoE experts, whose
   communication is explicit). The schedule issues those four all-reduces itself,
-  asynchronously, on the process group for the plan's SMs;
+  asynchronously, on the process group for the plan's SMs. Under sequence parallelism
+  the column-parallel linears' all-gather of their input (and its reduce-scatter
+  backward) is taken out too, by their ``sequence_parallel`` attribute (`disable_grad_reduce`
+  alone does not stop it), and the row-parallel ones' reduce-scatter by the same
+  ``explicit_expert_comm``; the SP schedule issues the all-gathers and reduce-scatters
+  along the sequence (dimension 0) itself. The norms' parameters are marked
+  ``sequence_parallel``, as Megatron's own SP norms mark theirs, so that Megatron's
+  `finalize_model_grads` sums their gradients over the TP group;
 - forward hooks on those submodules (and on `core_attention`) say when each compute op the
   plan's slots name is about to run, and tap the tensors whose gradients mark the backward
   slots: the fused QKV, the rotated query and key, the core attention's output, the output
@@ -26,9 +34,9 @@ Megatron's own business: its modules split them, the schedule never looks inside
 
 Megatron's full recompute (`recompute_granularity="full"`) re-runs the layer's forward
 before its backward; that re-run keeps the pieces' graphs and the backward uses them, so
-nothing is computed a third time (kareus.runtime.overlap_tp).
+nothing is computed or communicated a third time (kareus.runtime.pieces).
 
-Supported with a plan: tensor parallelism without sequence parallelism, on Megatron's local
+Supported with a plan: tensor parallelism with or without sequence parallelism, on Megatron's local
 modules (`get_gpt_layer_local_spec`), dense MLP, self-attention, no or full recompute, in
 training. Anything else is refused in one line (`check_config`); without a plan the layer is
 exactly Megatron's, whatever the configuration.
@@ -48,6 +56,7 @@ from torch import Tensor
 from kareus.errors import SpecError
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
+from kareus.runtime.overlap_sp import OverlappedSP
 from kareus.runtime.overlap_tp import Before, OverlappedTP
 
 _UNSUPPORTED_KWARGS = ("context", "context_mask", "inference_context", "inference_params",
@@ -56,15 +65,13 @@ _UNSUPPORTED_KWARGS = ("context", "context_mask", "inference_context", "inferenc
 """Forward arguments the partitioned overlap does not run (cross-attention, inference,
 packed sequences, fused-RoPE inference inputs): refused when set."""
 
-SUPPORTED = ("tensor parallelism without sequence parallelism, on Megatron-Core's local "
-             "modules (get_gpt_layer_local_spec), a dense MLP, no or full recompute")
+SUPPORTED = ("tensor parallelism with or without sequence parallelism, on Megatron-Core's "
+             "local modules (get_gpt_layer_local_spec), a dense MLP, no or full recompute")
 
 
 def check_config(config: Any) -> None:
     """One line naming what is supported, for a configuration a plan cannot run on."""
     problems = []
-    if getattr(config, "sequence_parallel", False):
-        problems.append("sequence parallelism")
     if (getattr(config, "context_parallel_size", 1) or 1) > 1:
         problems.append("context parallelism")
     if getattr(config, "num_moe_experts", None):
@@ -115,6 +122,8 @@ class KareusTransformerLayer(TransformerLayer):
         layer's own TP group for every collective (gloo, or NCCL's own choice)."""
         self._kareus_call: _Call | None = None
         self._kareus_hooked = False
+        if self.config.sequence_parallel:
+            mark_sequence_parallel_norms(self)
 
     # Plan ---------------------------------------------------------------------------------
 
@@ -137,7 +146,8 @@ class KareusTransformerLayer(TransformerLayer):
                                 f"supported: {SUPPORTED}")
         ops = MegatronLayerOps(self, kwargs, hidden_states.shape[1])
         params = [p for p in self.parameters() if p.requires_grad]
-        out = OverlappedTP.apply(hidden_states, ops, plan, torch.is_grad_enabled(), *params)
+        schedule = OverlappedSP if sequence_parallel(self) else OverlappedTP
+        out = schedule.apply(hidden_states, ops, plan, torch.is_grad_enabled(), *params)
         return out, kwargs.get("context")
 
     # Hooks on Megatron's submodules --------------------------------------------------------
@@ -204,14 +214,49 @@ class KareusTransformerLayer(TransformerLayer):
             for c in cols:
                 c.disable_grad_reduce, c.allreduce_dgrad = True, False
             for r in rows:
-                r.explicit_expert_comm = True
-            yield
+                r.explicit_expert_comm = True  # no all-reduce, no SP reduce-scatter
+            with _without_sequence_parallel_gather(cols):
+                yield
         finally:
             self._kareus_call = None
             for c, (grad_reduce, dgrad) in zip(cols, saved[0]):
                 c.disable_grad_reduce, c.allreduce_dgrad = grad_reduce, dgrad
             for r, explicit in zip(rows, saved[1]):
                 r.explicit_expert_comm = explicit
+
+
+# Sequence parallelism ------------------------------------------------------------------------
+
+
+def sequence_parallel(layer: TransformerLayer) -> bool:
+    """Whether ``layer`` runs Megatron's sequence parallelism: its hidden states are this
+    rank's part of the sequence (Megatron turns it off at TP=1)."""
+    return bool(getattr(layer.self_attention.linear_qkv, "sequence_parallel", False))
+
+
+def mark_sequence_parallel_norms(layer: TransformerLayer) -> None:
+    """Mark the layer norms' parameters ``sequence_parallel``, as Megatron's own
+    sequence-parallel norms (FusedLayerNorm, TENorm) mark theirs: each rank's gradient is
+    its part of the sequence's, which Megatron's `finalize_model_grads` sums over the TP
+    group for exactly the parameters so marked."""
+    for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+        for p in norm.parameters():
+            p.sequence_parallel = True
+
+
+@contextlib.contextmanager
+def _without_sequence_parallel_gather(cols: tuple[Any, ...]) -> Iterator[None]:
+    """Column-parallel linears that neither all-gather their input along the sequence nor
+    reduce-scatter its gradient (Megatron's ``sequence_parallel`` attribute, read at every
+    forward: the SP schedule gathers and scatters itself)."""
+    saved = [c.sequence_parallel for c in cols]
+    try:
+        for c in cols:
+            c.sequence_parallel = False
+        yield
+    finally:
+        for c, sp in zip(cols, saved):
+            c.sequence_parallel = sp
 
 
 def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -229,10 +274,12 @@ def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 class MegatronLayerOps:
-    """`kareus.runtime.overlap_tp.TPLayerOps` over a `KareusTransformerLayer`'s own
-    modules, for one call of the layer (its attention mask, rotary embedding, ...)."""
+    """`kareus.runtime.pieces.SPLayerOps` (and so `TPLayerOps`) over a
+    `KareusTransformerLayer`'s own modules, for one call of the layer (its attention
+    mask, rotary embedding, ...)."""
 
     batch_dim = 1
+    seq_dim = 0
     PER_SAMPLE = ("attention_mask", "attention_bias", "padding_mask")
     """Arguments that may hold one entry per sample along their first dimension ([b, 1,
     s, s] masks, [b, s] padding): cut to the nanobatch's half (one of size 1 is shared)."""

@@ -60,18 +60,18 @@ def stage_order(plan: Plan, pp: int, microbatches: int, stage: int) -> list[Inst
 
 
 def check_job(job: JobSpec) -> None:
-    """What a plan can run inside Megatron-Core: TP without sequence or context
-    parallelism (kareus.integrations.megatron.layer.SUPPORTED), on plain 1F1B (the plan
-    follows one model chunk per stage, not the interleaved schedule's chunks)."""
-    problems = [what for what, hit in (("sequence parallelism", job.sequence_parallel),
-                                       ("context parallelism", job.cp > 1),
+    """What a plan can run inside Megatron-Core: TP with or without sequence parallelism,
+    without context parallelism (kareus.integrations.megatron.layer.SUPPORTED), on plain
+    1F1B (the plan follows one model chunk per stage, not the interleaved schedule's
+    chunks)."""
+    problems = [what for what, hit in (("context parallelism", job.cp > 1),
                                        (f"interleaved 1F1B (virtual_pipeline "
                                         f"{job.virtual_pipeline})", job.virtual_pipeline > 1))
                 if hit]
     if problems:
         raise SpecError(f"the plan's job uses {' and '.join(problems)}, which the Kareus "
                         f"layer for Megatron-Core does not run; supported: tensor "
-                        f"parallelism without sequence parallelism, plain 1F1B, on "
+                        f"parallelism with or without sequence parallelism, plain 1F1B, on "
                         f"Megatron-Core's local modules")
 
 
@@ -200,6 +200,10 @@ class MegatronPlan:
             wrong.append(f"recompute_granularity {getattr(cfg, 'recompute_granularity', None)}"
                          f" (the plan's job: {'full' if self.job.recompute else 'none'} "
                          f"recompute)")
+        sp = bool(getattr(cfg, "sequence_parallel", False))
+        if sp != self.job.sequence_parallel:  # other collectives, other partitions
+            wrong.append(f"sequence_parallel {sp} (the plan's job: "
+                         f"{'' if self.job.sequence_parallel else 'no '}sequence parallelism)")
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 

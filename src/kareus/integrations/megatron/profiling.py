@@ -17,6 +17,11 @@ GPU). A partition runs through the same pieces as the training executor
   the next layer's input norm; ``bwd_attn``: the MLP norm), then its core; the residual
   backwards are additions of gradients, not run. The collective is launched by a gradient
   hook on the tensor whose backward the slot names, or at the start for a norm slot.
+
+With sequence parallelism the norms form partitions of their own (``ln1``: the MLP
+residual and the input norm; ``ln2``: the attention residual and the MLP norm), run on a
+rank's part of the sequence (seq/TP tokens), and the cores (``attn``, ``mlp``) on the
+whole sequence, as `OverlappedSP` runs them (kareus.runtime.overlap_sp).
 The collective runs on a side stream on CUDA (`kareus.gpu.partition_runner.SideStream`),
 in line on the CPU.
 
@@ -42,8 +47,8 @@ from kareus.runtime.overlap import BACKWARD_TAPS, Taps
 from kareus.runtime.overlap_tp import no_slot
 from kareus.workload.partition import Partition
 
-FORWARD_KEYS = ("fwd_attn", "fwd_mlp")
-BACKWARD_KEYS = ("bwd_mlp", "bwd_attn")
+SEGMENTS = {False: ("attn", "mlp"), True: ("ln1", "attn", "ln2", "mlp")}
+"""The segments partitions compute, without and with sequence parallelism."""
 
 
 def _megatron_state(seed: int, cuda: bool) -> None:
@@ -112,6 +117,10 @@ class MegatronRuntime:
                                dtype=torch.float32).to(device=device, dtype=dtype)
 
         self.x, self.r, self.grad = new(), new(), new()
+        # under SP, the norms' and residuals' tokens: this rank's part of the sequence
+        shard = job.seq_length // job.tp if job.sequence_parallel else job.seq_length
+        self.xs, self.rs, self.grads = (t[:shard] for t in (self.x, self.r, self.grad))
+        self.sp = job.sequence_parallel
         from kareus.integrations.megatron.cpu import rotary_embedding
 
         emb = rotary_embedding(job.model.head_dim, job.seq_length).to(device)
@@ -123,19 +132,24 @@ class MegatronRuntime:
         index = partition.launch_index(slot)
         launch_op = (partition.compute_ops[index].name
                      if index < len(partition.compute_ops) else None)
+        segments = SEGMENTS[self.sp]
+        if partition.segment not in segments:
+            raise ValueError(f"the megatron runtime runs partitions of the segments "
+                             f"{', '.join(segments)}, not {partition.key}")
         side = SideStream(collective, self.device)
-        if partition.key in FORWARD_KEYS:
-            return _ForwardRunner(self, partition.key, launch_op, side)
-        if partition.key in BACKWARD_KEYS:
-            return _BackwardRunner(self, partition.key, launch_op, side)
-        raise ValueError(f"the megatron runtime runs the TP partitions "
-                         f"({', '.join(FORWARD_KEYS + BACKWARD_KEYS)}), not {partition.key}")
+        segment = partition.segment if self.sp else f"tp_{partition.segment}"
+        if partition.direction == "forward":
+            return _ForwardRunner(self, segment, launch_op, side)
+        return _BackwardRunner(self, segment, launch_op, side)
 
 
 class _ForwardRunner:
-    def __init__(self, rt: MegatronRuntime, key: str, launch_op: str | None,
+    """``segment``: "tp_attn", "tp_mlp" (norm and core), or under SP "ln1", "attn",
+    "ln2", "mlp"."""
+
+    def __init__(self, rt: MegatronRuntime, segment: str, launch_op: str | None,
                  side: SideStream) -> None:
-        self.rt, self.key, self.launch_op, self.side = rt, key, launch_op, side
+        self.rt, self.segment, self.launch_op, self.side = rt, segment, launch_op, side
         self.ops_run: list[str] = []
         """The ops' names as the pieces announce them, in order (for checking)."""
 
@@ -147,17 +161,28 @@ class _ForwardRunner:
     def run(self) -> None:
         ops, rt = self.rt.ops, self.rt
         taps: Taps = {}
+        seg = self.segment
         with torch.no_grad():
-            if self.key == "fwd_attn":
+            if seg in ("tp_attn", "ln1"):
+                x, r = (rt.x, rt.r) if seg == "tp_attn" else (rt.xs, rt.rs)
                 self._before("residual_mlp")
-                x = ops.mlp_residual(rt.x, rt.r)
+                x = ops.mlp_residual(x, r)
                 self._before("input_norm")
-                ops.attn_partial(ops.attn_norm(x), self._before, taps)
-            else:
+                a = ops.attn_norm(x)
+                if seg == "tp_attn":
+                    ops.attn_partial(a, self._before, taps)
+            elif seg in ("tp_mlp", "ln2"):
+                x, r = (rt.x, rt.r) if seg == "tp_mlp" else (rt.xs, rt.rs)
                 self._before("residual_attn")
-                h = ops.attn_residual(rt.x, rt.r)
+                h = ops.attn_residual(x, r)
                 self._before("pre_mlp_norm")
-                ops.mlp_partial(ops.mlp_norm(h), self._before, taps)
+                bn = ops.mlp_norm(h)
+                if seg == "tp_mlp":
+                    ops.mlp_partial(bn, self._before, taps)
+            elif seg == "attn":  # SP: the gathered norm output, the whole sequence
+                ops.attn_partial(rt.x, self._before, taps)
+            else:
+                ops.mlp_partial(rt.x, self._before, taps)
         if self.launch_op is None:
             self.side.launch()
         self.side.join()
@@ -169,26 +194,33 @@ class _ForwardRunner:
 class _BackwardRunner:
     """The partition's pieces built once with grad; each run differentiates them again."""
 
-    def __init__(self, rt: MegatronRuntime, key: str, launch_op: str | None,
+    def __init__(self, rt: MegatronRuntime, segment: str, launch_op: str | None,
                  side: SideStream) -> None:
-        self.rt, self.key, self.launch_op, self.side = rt, key, launch_op, side
+        self.rt, self.segment, self.launch_op, self.side = rt, segment, launch_op, side
         ops = rt.ops
         self.params = [p for p in rt.layer.parameters() if p.requires_grad]
         self.launched = False
         tap = BACKWARD_TAPS.get(launch_op or "")
+        self.norm: tuple[Tensor, Tensor] | None = None
+        self.core: tuple[Tensor, Tensor] | None = None
+        taps: Taps = {}
         with torch.enable_grad():
-            if key == "bwd_mlp":  # starts with the next layer's input-norm backward
-                x = rt.r.detach().requires_grad_(True)
-                self.norm: tuple[Tensor, Tensor] = (x, ops.attn_norm(x))
-                bn = ops.mlp_norm(rt.x).detach().requires_grad_(True)
-                taps: Taps = {}
-                self.core_in, self.core_out = bn, ops.mlp_partial(bn, no_slot, taps)
-            else:  # starts with the MLP norm's backward
-                h = rt.x.detach().requires_grad_(True)
+            if segment in ("tp_mlp", "ln1"):  # the (next layer's) input-norm backward
+                r = rt.r if segment == "tp_mlp" else rt.rs
+                x = r.detach().requires_grad_(True)
+                self.norm = (x, ops.attn_norm(x))
+            elif segment in ("tp_attn", "ln2"):  # the MLP norm's backward
+                x = rt.x if segment == "tp_attn" else rt.xs
+                h = x.detach().requires_grad_(True)
                 self.norm = (h, ops.mlp_norm(h))
-                a = ops.attn_norm(rt.r).detach().requires_grad_(True)
-                taps = {}
-                self.core_in, self.core_out = a, ops.attn_partial(a, no_slot, taps)
+            if segment in ("tp_mlp", "mlp"):
+                bn = (ops.mlp_norm(rt.x) if segment == "tp_mlp" else rt.x)
+                bn = bn.detach().requires_grad_(True)
+                self.core = (bn, ops.mlp_partial(bn, no_slot, taps))
+            elif segment in ("tp_attn", "attn"):
+                a = ops.attn_norm(rt.r) if segment == "tp_attn" else rt.x
+                a = a.detach().requires_grad_(True)
+                self.core = (a, ops.attn_partial(a, no_slot, taps))
         self.hooked = tap is not None and tap in taps
         if self.hooked:
             tapped = taps[str(tap)]
@@ -207,12 +239,15 @@ class _BackwardRunner:
         self.launched = False
         if self.launch_op is not None and not self.hooked:  # a norm slot: at the start
             self._launch()
-        grad = self.rt.grad
-        x, normed = self.norm  # the norm backward the partition starts with
-        torch.autograd.grad(normed, [x, *self.params], grad, retain_graph=True,
-                            allow_unused=True)
-        torch.autograd.grad(self.core_out, [self.core_in, *self.params], grad,
-                            retain_graph=True, allow_unused=True)
+        if self.norm is not None:  # the norm backward the partition starts with
+            x, normed = self.norm
+            grad = self.rt.grad if x.shape == self.rt.grad.shape else self.rt.grads
+            torch.autograd.grad(normed, [x, *self.params], grad, retain_graph=True,
+                                allow_unused=True)
+        if self.core is not None:
+            core_in, core_out = self.core
+            torch.autograd.grad(core_out, [core_in, *self.params], self.rt.grad,
+                                retain_graph=True, allow_unused=True)
         self._launch()  # slot "none", or a tap this run did not reach: at the end
         self.side.join()
 
