@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from kareus.runtime.layer_plan import LayerPlan
@@ -39,7 +40,7 @@ from kareus.runtime.overlap import (
     hook_backward_slot,
     issue_before,
 )
-from kareus.runtime.primitives import Group
+from kareus.runtime.primitives import Group, world_size
 
 Before = Callable[[str], None]
 """Called with a compute op's name just before it runs (the forward's slot hook)."""
@@ -228,8 +229,28 @@ class OverlappedTP(torch.autograd.Function):
         grads = _Grads(ctx.params)
         dys = tuple(half.contiguous() for half in dy.chunk(2, dim=ctx.dim))
         dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads, dys, ctx.dim)
+        _sum_partial_grads(ctx.ops, grads)
         ctx.nbs = None  # the graphs go with the pass
         return (dx, None, None, None, *grads.sums)
+
+
+def _sum_partial_grads(ops: TPLayerOps, grads: _Grads) -> None:
+    """Sums over the TP group the parameter gradients the pieces leave partial: the ops'
+    ``partial_grad_params`` (none by default), the weights of a norm fused into a
+    column-parallel linear (Transformer Engine's `LayerNormLinear`), whose backward gets this
+    rank's part of the input gradient once the linear's all-reduce is out. One all-reduce of
+    them all, per layer backward."""
+    partial = {id(p) for p in getattr(ops, "partial_grad_params", ())}
+    found = [(i, s) for i, (p, s) in enumerate(zip(grads.params, grads.sums))
+             if id(p) in partial and s is not None]
+    if not found or world_size(ops.group) <= 1:
+        return
+    flat = torch.cat([s.reshape(-1) for _, s in found])
+    dist.all_reduce(flat, group=ops.group)
+    offset = 0
+    for i, s in found:
+        grads.sums[i] = flat[offset:offset + s.numel()].view_as(s)
+        offset += s.numel()
 
 
 class _Collectives:

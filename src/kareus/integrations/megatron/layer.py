@@ -29,7 +29,8 @@ before its backward; that re-run keeps the pieces' graphs and the backward uses 
 nothing is computed a third time (kareus.runtime.overlap_tp).
 
 Supported with a plan: tensor parallelism without sequence parallelism, on Megatron's local
-modules (`get_gpt_layer_local_spec`), dense MLP, self-attention, no or full recompute, in
+modules (`get_gpt_layer_local_spec`) or Transformer Engine's (kareus.integrations.megatron.te:
+not run on a GPU yet), dense MLP, self-attention, no or full recompute, in
 training. Anything else is refused in one line (`check_config`); without a plan the layer is
 exactly Megatron's, whatever the configuration.
 """
@@ -46,6 +47,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from kareus.errors import SpecError
+from kareus.integrations.megatron import te
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.overlap_tp import Before, OverlappedTP
@@ -115,6 +117,7 @@ class KareusTransformerLayer(TransformerLayer):
         layer's own TP group for every collective (gloo, or NCCL's own choice)."""
         self._kareus_call: _Call | None = None
         self._kareus_hooked = False
+        self._kareus_te: te.TEAdapter | None = None  # KAREUS-TE: Transformer Engine's linears
 
     # Plan ---------------------------------------------------------------------------------
 
@@ -146,7 +149,9 @@ class KareusTransformerLayer(TransformerLayer):
         if self._kareus_hooked:
             return
         check_config(self.config)
-        check_modules(self)
+        self._kareus_te = te.adapter(self)  # KAREUS-TE: None on Megatron's local modules
+        if self._kareus_te is None:
+            check_modules(self)
         self._kareus_hooked = True
         attn, mlp = self.self_attention, self.mlp
         self._pre(attn.linear_qkv, "qkv")
@@ -193,6 +198,14 @@ class KareusTransformerLayer(TransformerLayer):
     @contextlib.contextmanager
     def _kareus_piece(self, before: Before, taps: Taps) -> Iterator[None]:
         """One piece: the hooks report to it, and the TP linears do not communicate."""
+        if self._kareus_te is not None:  # KAREUS-TE: Transformer Engine's linears (te.py)
+            self._kareus_call = _Call(before, taps)
+            try:
+                with self._kareus_te.without_communication():
+                    yield
+            finally:
+                self._kareus_call = None
+            return
         attn, mlp = self.self_attention, self.mlp
         cols = (attn.linear_qkv, mlp.linear_fc1)
         rows = (attn.linear_proj, mlp.linear_fc2)
@@ -246,6 +259,9 @@ class MegatronLayerOps:
         self.batch = batch
         self._attn_bias: Tensor | None = None
         self._mlp_bias: Tensor | None = None
+        # KAREUS-TE: the fused norms' weights, whose gradients a piece leaves partial
+        self.partial_grad_params = (layer._kareus_te.partial_grad_params
+                                    if layer._kareus_te is not None else [])
 
     def nanobatch(self, index: int) -> MegatronLayerOps:
         kw = dict(self.kwargs)
