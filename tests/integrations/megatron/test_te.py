@@ -115,7 +115,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                       if "layer_norm_" in n]
                 gathered = [[torch.empty_like(t) for _ in range(world)] for t in ln]
                 for t, parts in zip(ln, gathered):
-                    counter._orig  # the real collective below
                     dist.all_gather(parts, t)
                 out["ln_same_on_ranks"] = all(torch.equal(p[0], p[1]) for p in gathered)
                 out["n_ln"] = len(ln)

@@ -95,7 +95,7 @@ class TEAdapter:
         self.linears: list[tuple[str, Any, str]] = []
         wrong = []
         for parent, name, mode in LINEARS:
-            module = getattr(getattr(layer, parent, None), name, None)
+            module: Any = getattr(getattr(layer, parent, None), name, None)
             if not is_te_linear(module):
                 wrong.append(f"{name} is {type(module).__name__}, not a Transformer Engine "
                              f"linear")
