@@ -94,7 +94,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {"have_te": gpt_layer_specs.HAVE_TE}
+    from megatron.core.transformer.spec_utils import import_module
+
+    res: dict = {"have_te": gpt_layer_specs.HAVE_TE,
+                 # what Megatron-LM's --spec MODULE NAME calls
+                 "imported": import_module(("kareus.integrations.megatron.spec", "layer_spec"))
+                 is kspec.layer_spec}
     try:
         for name, flags in FLAGS.items():
             cfg = TransformerConfig(**COMMON, **flags)
@@ -144,6 +149,10 @@ def test_layer_spec_builds_megatron_s_model_from_the_flags(results, name):
         assert got["keys"] and got["shapes"] and got["values"] and got["types"], (key, got)
         assert got["layers"] == 2
         assert got["n_keys"] > 10
+
+
+def test_megatron_s_import_module_finds_layer_spec(results):
+    assert results["imported"]
 
 
 def test_qk_layernorm_gives_q_and_k_norm_weights(results):
