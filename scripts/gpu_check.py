@@ -23,12 +23,18 @@ estimated duration first (about 90 measurements, 5 minutes on an H200 with the d
 
     python scripts/gpu_check.py --no-clock-changes [--gpu-index 0] [--window S]
         [--cooldown S] [--max-minutes 10] [--out-md docs/gpu-check.md] [--json FILE]
-        [--megatron | --megatron-only] [--reps 20]
+        [--megatron | --megatron-only | --megatron-te] [--reps 20]
 
 --megatron (the megatron extra) adds, on the same GPU and clock, the Kareus layer for
 Megatron-Core against Megatron's own layer (forward and backward, a plan without overlap,
 medians of --reps alternating runs: the layer's overhead, which should stay under 3%) and
 every TP partition computed by Megatron's modules against the project's kernels.
+
+--megatron-te (the megatron extra and Transformer Engine; about a minute) runs only the
+Kareus layer on Megatron's Transformer Engine spec at TP=1 against Megatron's own TE layer:
+numerics in fp32 without a plan and with two plans, and forward+backward medians in bf16
+(the overhead target is under 3%); kareus.integrations.megatron.te_check. Until it has run
+on a GPU, the TE path has not (docs/megatron.md).
 
 Needs the gpu extra (torch with CUDA, Zeus, nvidia-ml-py); without a GPU it exits 2 with
 one line. `--fake-device` (for tests) runs a tiny job's kernels on the CPU against
@@ -123,6 +129,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "the project's kernels (the megatron extra; docs/megatron.md)")
     ap.add_argument("--megatron-only", action="store_true",
                     help="only the --megatron part (about a minute)")
+    ap.add_argument("--megatron-te", action="store_true",
+                    help="only the Kareus layer on Megatron's Transformer Engine spec against "
+                         "Megatron's TE layer, TP=1: numerics and overhead (about a minute)")
     ap.add_argument("--reps", type=int, default=20,
                     help="repetitions of each timed run of the --megatron part (median)")
     ap.add_argument("--fake-device", action="store_true", help=argparse.SUPPRESS)
@@ -160,6 +169,53 @@ def render_megatron(sec: dict[str, Any], reps: int) -> str:
              "|---|---|---|---|---|"]
     lines += [f"| {r['partition']} | {r['slot']} | {r['kernels_ms']:.3f} | "
               f"{r['megatron_ms']:.3f} | {r['ratio']:.3f} |" for r in sec["partitions"]]
+    return "\n".join(lines) + "\n"
+
+
+def megatron_te_check(job: JobSpec, torch_device: str, reps: int, fake: bool
+                      ) -> dict[str, Any]:
+    """kareus.integrations.megatron.te_check on the GPU; on the fake device, over the
+    tests' stand-in for TE's modules (TE needs CUDA): that only shows the code runs."""
+    try:
+        from kareus.integrations.megatron.te_check import te_layer_check
+    except ImportError as exc:
+        raise KareusError(f"--megatron-te needs Megatron-Core ({exc.name}): pip install -e "
+                          f"'.[megatron]'") from None
+    spec = None
+    if fake:
+        sys.path.insert(0, str(REPO))
+        from tests.integrations.megatron.te_standin import te_spec
+
+        from kareus.integrations.megatron.cpu import SDPACoreAttention
+
+        spec = te_spec(SDPACoreAttention)
+    sec = te_layer_check(job, torch_device, reps, spec=spec)
+    sec["stand_in"] = fake
+    worst = max(sec["errors_fp32"].values())
+    print(f"Megatron-Core TE layer: Megatron {sec['megatron_ms']:.3f} ms, Kareus plan without "
+          f"overlap {sec['kareus_plan_ms']:.3f} ms per forward+backward: overhead "
+          f"{sec['overhead'] * 100:+.2f}% (median of {reps}); largest fp32 relative error "
+          f"{worst:.2e}", flush=True)
+    return sec
+
+
+def render_megatron_te(sec: dict[str, Any]) -> str:
+    what = ("the tests' CPU stand-in for Transformer Engine's modules (the numbers say "
+            "nothing about TE)" if sec["stand_in"] else "Transformer Engine's modules")
+    lines = ["", "## Megatron-Core, Transformer Engine spec", "",
+             f"One rank-shaped layer ({sec['tokens']} tokens) from Megatron's "
+             f"`get_gpt_layer_with_transformer_engine_spec()` at TP=1, on {what} "
+             f"({', '.join(sec['modules'])}); parameters equal: {sec['same_params']}.", "",
+             "Largest relative error against Megatron's own layer (fp32, TF32 off; output, "
+             "input gradient, every parameter gradient):", "",
+             "| Kareus layer | largest relative error |", "|---|---|"]
+    lines += [f"| {name} | {err:.2e} |" for name, err in sec["errors_fp32"].items()]
+    lines += ["", f"Forward and backward, {sec['dtype']}, the arms alternating, median of "
+              f"{sec['reps']}:", "", "| layer | ms |", "|---|---|",
+              f"| Megatron's own TE `TransformerLayer` | {sec['megatron_ms']:.3f} |",
+              f"| Kareus layer, no plan | {sec['kareus_no_plan_ms']:.3f} |",
+              f"| Kareus layer, plan without overlap | {sec['kareus_plan_ms']:.3f} |",
+              f"| overhead with the plan (target under 3%) | {sec['overhead'] * 100:+.2f}% |"]
     return "\n".join(lines) + "\n"
 
 
@@ -429,6 +485,20 @@ def run(args: argparse.Namespace, argv: list[str], device: GPUDevice | None) -> 
     job, job_summary, warning = small_job(device.name, args.fake_device)
     if warning:
         print(f"gpu_check: warning: {warning}", file=sys.stderr)
+    if args.megatron_te:
+        te_sec = megatron_te_check(job, torch_device, args.reps, args.fake_device)
+        te_doc = {"schema_version": CHECK_SCHEMA_VERSION,
+                  "command": shlex.join(["python", "scripts/gpu_check.py", *argv]),
+                  "gpu": {"index": device.index, "name": device.name, "catalog": job.gpu},
+                  "job": job.model_dump(mode="json"), "job_summary": job_summary,
+                  "megatron_te": te_sec, "duration_s": time.time() - t0}
+        write_text_atomic(args.out_md, f"# GPU check: Megatron-Core with Transformer Engine"
+                          f"\n\n`{te_doc['command']}` on {device.name}: {job_summary}\n"
+                          + render_megatron_te(te_sec))
+        if args.json:
+            write_text_atomic(args.json, json.dumps(te_doc, indent=1) + "\n")
+        print(f"done in {te_doc['duration_s']:.0f} s; report: {args.out_md}")
+        return 0
     if args.megatron_only:
         sec = megatron_check(job, torch_device, args.reps)
         only = {"schema_version": CHECK_SCHEMA_VERSION,

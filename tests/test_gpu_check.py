@@ -147,3 +147,38 @@ def test_the_megatron_part_on_the_fake_device(tmp_path):
     assert all(r["kernels_ms"] > 0 and r["megatron_ms"] > 0 for r in doc["partitions"])
     text = md.read_text()
     assert "## Megatron-Core" in text and "| overhead |" in text
+
+
+def test_the_megatron_te_part_on_the_fake_device(tmp_path):
+    """--megatron-te (issue 35, item 6): the Kareus layer on Megatron's Transformer Engine
+    spec against Megatron's layer from the same spec, numerics and medians, in the report
+    and the JSON. On the fake device the spec's TE modules are the tests' CPU stand-in (TE
+    needs CUDA): the numerics are checked, the times only reported."""
+    pytest.importorskip("megatron.core")
+    md, js = tmp_path / "te.md", tmp_path / "te.json"
+    rc = gpu_check.main(["--fake-device", "--megatron-te", "--reps", "2", "--out-md",
+                         str(md), "--json", str(js)], device=FakeDevice(power_w=200.0))
+    assert rc == 0
+    sec = json.loads(js.read_text())["megatron_te"]
+    assert sec["stand_in"] and sec["same_params"] and sec["reps"] == 2
+    assert set(sec["errors_fp32"]) == {"no plan", "no overlap", "middle slots"}
+    assert sec["errors_fp32"]["no plan"] == 0.0
+    assert max(sec["errors_fp32"].values()) < 1e-5
+    assert sec["modules"] == ["TELayerNormColumnParallelLinear", "TERowParallelLinear"]
+    assert math.isclose(sec["overhead"], sec["kareus_plan_ms"] / sec["megatron_ms"] - 1)
+    text = md.read_text()
+    assert "## Megatron-Core, Transformer Engine spec" in text
+    assert "stand-in" in text and "target under 3%" in text
+
+
+def test_megatron_te_without_transformer_engine_is_one_line():
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from kareus.errors import KareusError
+    from kareus.integrations.megatron.te_check import te_spec_or_refuse
+
+    if gpt_layer_specs.HAVE_TE:
+        pytest.skip("Transformer Engine imports here")
+    with pytest.raises(KareusError, match="needs Transformer Engine, which does not import"):
+        te_spec_or_refuse(False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from kareus.runtime.layer_plan import LayerPlan
@@ -38,6 +39,7 @@ from kareus.runtime.pieces import (
     no_slot,
     split,
 )
+from kareus.runtime.primitives import world_size
 
 __all__ = ["Before", "OverlappedTP", "TPLayerOps", "no_slot"]
 
@@ -66,8 +68,28 @@ class OverlappedTP(torch.autograd.Function):
         grads = Grads(ctx.params)
         dys = tuple(half.contiguous() for half in dy.chunk(2, dim=ctx.dim))
         dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads, dys, ctx.dim)
+        _sum_partial_grads(ctx.ops, grads)
         ctx.nbs = None  # the graphs go with the pass
         return (dx, None, None, None, *grads.sums)
+
+
+def _sum_partial_grads(ops: TPLayerOps, grads: Grads) -> None:
+    """Sums over the TP group the parameter gradients the pieces leave partial: the ops'
+    ``partial_grad_params`` (none by default), the weights of a norm fused into a
+    column-parallel linear (Transformer Engine's `LayerNormLinear`), whose backward gets this
+    rank's part of the input gradient once the linear's all-reduce is out. One all-reduce of
+    them all, per layer backward."""
+    partial = {id(p) for p in getattr(ops, "partial_grad_params", ())}
+    found = [(i, s) for i, (p, s) in enumerate(zip(grads.params, grads.sums))
+             if id(p) in partial and s is not None]
+    if not found or world_size(ops.group) <= 1:
+        return
+    flat = torch.cat([s.reshape(-1) for _, s in found])
+    dist.all_reduce(flat, group=ops.group)
+    offset = 0
+    for i, s in found:
+        grads.sums[i] = flat[offset:offset + s.numel()].view_as(s)
+        offset += s.numel()
 
 
 class _Collectives:

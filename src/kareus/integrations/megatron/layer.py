@@ -36,8 +36,10 @@ Megatron's full recompute (`recompute_granularity="full"`) re-runs the layer's f
 before its backward; that re-run keeps the pieces' graphs and the backward uses them, so
 nothing is computed or communicated a third time (kareus.runtime.pieces).
 
-Supported with a plan: tensor parallelism with or without sequence parallelism, on Megatron's local
-modules (`get_gpt_layer_local_spec`), dense MLP, self-attention, no or full recompute, in
+Supported with a plan: tensor parallelism with or without sequence parallelism on
+Megatron's local modules (`get_gpt_layer_local_spec`), without it on Transformer Engine's
+(kareus.integrations.megatron.te: not run on a GPU yet), dense MLP, self-attention, no or
+full recompute, in
 training. Anything else is refused in one line (`check_config`); without a plan the layer is
 exactly Megatron's, whatever the configuration.
 """
@@ -54,6 +56,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from kareus.errors import SpecError
+from kareus.integrations.megatron import te
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.overlap_sp import OverlappedSP
@@ -65,8 +68,9 @@ _UNSUPPORTED_KWARGS = ("context", "context_mask", "inference_context", "inferenc
 """Forward arguments the partitioned overlap does not run (cross-attention, inference,
 packed sequences, fused-RoPE inference inputs): refused when set."""
 
-SUPPORTED = ("tensor parallelism with or without sequence parallelism, on Megatron-Core's "
-             "local modules (get_gpt_layer_local_spec), a dense MLP, no or full recompute")
+SUPPORTED = ("tensor parallelism with or without sequence parallelism on Megatron-Core's "
+             "local modules (get_gpt_layer_local_spec), without it on Transformer Engine's, "
+             "a dense MLP, no or full recompute")
 
 
 def check_config(config: Any) -> None:
@@ -124,6 +128,7 @@ class KareusTransformerLayer(TransformerLayer):
         self._kareus_hooked = False
         if self.config.sequence_parallel:
             mark_sequence_parallel_norms(self)
+        self._kareus_te: te.TEAdapter | None = None  # KAREUS-TE: Transformer Engine's linears
 
     # Plan ---------------------------------------------------------------------------------
 
@@ -156,7 +161,9 @@ class KareusTransformerLayer(TransformerLayer):
         if self._kareus_hooked:
             return
         check_config(self.config)
-        check_modules(self)
+        self._kareus_te = te.adapter(self)  # KAREUS-TE: None on Megatron's local modules
+        if self._kareus_te is None:
+            check_modules(self)
         self._kareus_hooked = True
         attn, mlp = self.self_attention, self.mlp
         self._pre(attn.linear_qkv, "qkv")
@@ -203,6 +210,14 @@ class KareusTransformerLayer(TransformerLayer):
     @contextlib.contextmanager
     def _kareus_piece(self, before: Before, taps: Taps) -> Iterator[None]:
         """One piece: the hooks report to it, and the TP linears do not communicate."""
+        if self._kareus_te is not None:  # KAREUS-TE: Transformer Engine's linears (te.py)
+            self._kareus_call = _Call(before, taps)
+            try:
+                with self._kareus_te.without_communication():
+                    yield
+            finally:
+                self._kareus_call = None
+            return
         attn, mlp = self.self_attention, self.mlp
         cols = (attn.linear_qkv, mlp.linear_fc1)
         rows = (attn.linear_proj, mlp.linear_fc2)
@@ -293,6 +308,9 @@ class MegatronLayerOps:
         self.batch = batch
         self._attn_bias: Tensor | None = None
         self._mlp_bias: Tensor | None = None
+        # KAREUS-TE: the fused norms' weights, whose gradients a piece leaves partial
+        self.partial_grad_params = (layer._kareus_te.partial_grad_params
+                                    if layer._kareus_te is not None else [])
 
     def nanobatch(self, index: int) -> MegatronLayerOps:
         kw = dict(self.kwargs)

@@ -1,0 +1,199 @@
+"""A CPU stand-in for Megatron's Transformer Engine linears (Transformer Engine does not
+import without CUDA), with exactly the attributes and semantics the Kareus TE adapter
+(kareus.integrations.megatron.te) relies on, taken from Transformer Engine 2.11's released
+sources (transformer_engine/pytorch/module/linear.py, layernorm_linear.py) and Megatron-Core
+0.16.1's wrappers (megatron/core/extensions/transformer_engine.py):
+
+- ``parallel_mode`` ("column" / "row" / None) is read at each forward and saved in the
+  autograd context (linear.py:1451, :468; layernorm_linear.py:1568, :506); "row" all-reduces
+  the output in the forward (linear.py:354-363), "column" the input gradient in the
+  backward (linear.py:744-754; layernorm_linear.py:760-770);
+- the fused norm's backward runs on the (all-reduced) gradient of its output
+  (layernorm_linear.py:959-989), so its weights' gradients are full on every rank;
+- ``apply_bias = bias and not return_bias``; a row-parallel linear adds an applied bias
+  after the all-reduce (``gemm_bias_unfused_add``, linear.py:1299-1303);
+- ``tp_size``, ``tp_group``, ``sequence_parallel = tp_size > 1 and sequence_parallel``
+  (linear.py:1138), the ``ub_*`` flags (False without userbuffers);
+- Megatron's wrappers: ``te_return_bias = skip_bias_add and bias``, forward returns
+  ``(out, bias or None)`` (transformer_engine.py:669-685, :890-907), ``parallel_mode``
+  "column" for `TELayerNormColumnParallelLinear` and `TEColumnParallelLinear`, "row" for
+  `TERowParallelLinear`; parameter names ``layer_norm_weight``, ``layer_norm_bias``,
+  ``weight``, ``bias``.
+
+The numerics are plain fp32 matmuls and norms, not TE's kernels: the tests compare the
+Kareus layer with a plan against the same stand-in layer's own communicating forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _norm(x, weight, bias, normalization: str, eps: float, zero_centered: bool):
+    w = weight + 1 if zero_centered else weight
+    if normalization == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return F.layer_norm(x, x.shape[-1:], w, bias, eps)
+
+
+class _LinearFn(torch.autograd.Function):
+    """TE's `_Linear` / `_LayerNormLinear` as far as communication goes: the mode the
+    forward saw decides the backward's all-reduce; a fused norm's backward runs after it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ln_weight, ln_bias, module):
+        mode, tp = module.parallel_mode, module.tp_size
+        ctx.mode, ctx.tp, ctx.group, ctx.module = mode, tp, module.tp_group, module
+        ctx.save_for_backward(x, weight, ln_weight, ln_bias)
+        ctx.has_bias = bias is not None
+        inp = x
+        if module.fused_norm:
+            inp = _norm(x, ln_weight, ln_bias, *module.norm_args)
+        out = inp @ weight.t()
+        if bias is not None and not module.gemm_bias_unfused_add:
+            out = out + bias
+        if mode == "row" and tp > 1:
+            out = _all_reduce(out, module.tp_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, ln_weight, ln_bias = ctx.saved_tensors
+        module = ctx.module
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(True)
+            lw = ln_weight.detach().requires_grad_(True) if ln_weight is not None else None
+            lb = ln_bias.detach().requires_grad_(True) if ln_bias is not None else None
+            inp = _norm(xr, lw, lb, *module.norm_args) if module.fused_norm else xr
+        dgrad = g @ weight
+        if ctx.mode == "column" and ctx.tp > 1:
+            dgrad = _all_reduce(dgrad, ctx.group)
+        wgrad = g.reshape(-1, g.shape[-1]).t() @ inp.detach().reshape(-1, inp.shape[-1])
+        bgrad = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        dx, dlw, dlb = dgrad, None, None
+        if module.fused_norm:  # the norm's backward, on the (all-reduced) gradient
+            wanted = [xr] + [t for t in (lw, lb) if t is not None]
+            got = torch.autograd.grad(inp, wanted, dgrad)
+            dx = got[0]
+            dlw = got[1] if lw is not None else None
+            dlb = got[2] if lb is not None else None
+        return dx, wgrad, bgrad, dlw, dlb, None
+
+
+class StandInTELinear(torch.nn.Module):
+    """TE's `Linear` under Megatron's `TELinear` wrapper (column or row)."""
+
+    fused_norm = False
+
+    def __init__(self, input_size: int, output_size: int, *, parallel_mode: str | None,
+                 config: Any, init_method: Any, bias: bool, skip_bias_add: bool,
+                 tp_group: Any = None, **_: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = self.tp_size > 1 and config.sequence_parallel
+        for flag in ("ub_overlap_rs_fprop", "ub_overlap_ag_dgrad", "ub_overlap_ag_fprop",
+                     "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"):
+            setattr(self, flag, False)
+        self.te_return_bias = skip_bias_add and bias
+        self.return_bias = self.te_return_bias
+        self.apply_bias = bias and not self.return_bias
+        self.gemm_bias_unfused_add = parallel_mode == "row" and self.apply_bias
+        self.is_first_microbatch = True
+        out_f = output_size // self.tp_size if parallel_mode == "column" else output_size
+        in_f = input_size // self.tp_size if parallel_mode == "row" else input_size
+        self.norm_args = (config.normalization, config.layernorm_epsilon,
+                          config.layernorm_zero_centered_gamma)
+        self._norm_params(in_f)
+        # this rank's slice of one full weight, as Megatron's CPU initialisation does (the
+        # same draw on every rank); biases drawn (Megatron zeroes them) so that one added
+        # twice shows
+        rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        full = torch.empty(output_size, input_size)
+        init_method(full)
+        full_bias = 0.1 * torch.randn(output_size)
+        if parallel_mode == "column":
+            self.weight = torch.nn.Parameter(full.chunk(self.tp_size, 0)[rank].clone())
+            bias_value = full_bias.chunk(self.tp_size)[rank].clone()
+        else:
+            self.weight = torch.nn.Parameter(full.chunk(self.tp_size, 1)[rank].clone()
+                                             if parallel_mode == "row" else full)
+            bias_value = full_bias
+        assert self.weight.shape == (out_f, in_f)
+        self.bias = torch.nn.Parameter(bias_value) if bias else None
+
+    def _norm_params(self, in_f: int) -> None:
+        pass
+
+    def forward(self, x):
+        lw, lb = getattr(self, "layer_norm_weight", None), getattr(self, "layer_norm_bias",
+                                                                    None)
+        out = _LinearFn.apply(x, self.weight, self.bias, lw, lb, self)
+        if self.gemm_bias_unfused_add:
+            out = out + self.bias
+        self.is_first_microbatch = False
+        if self.te_return_bias:
+            return out, self.bias
+        return out, None
+
+
+class TELayerNormColumnParallelLinear(StandInTELinear):
+    """TE's `LayerNormLinear`, column-parallel, under Megatron's wrapper."""
+
+    fused_norm = True
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kw: Any) -> None:
+        super().__init__(input_size, output_size, parallel_mode="column", config=config, **kw)
+
+    def _norm_params(self, in_f: int) -> None:
+        g = torch.Generator().manual_seed(in_f)  # not ones, so a norm gradient shows
+        self.layer_norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(in_f, generator=g))
+        self.layer_norm_bias = (torch.nn.Parameter(0.1 * torch.randn(in_f, generator=g))
+                                if self.config.normalization == "LayerNorm" else None)
+
+
+class TERowParallelLinear(StandInTELinear):
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kw: Any) -> None:
+        kw.pop("input_is_parallel", None)
+        super().__init__(input_size, output_size, parallel_mode="row", config=config, **kw)
+
+
+def te_spec(core_attention: type) -> ModuleSpec:
+    """`get_gpt_layer_with_transformer_engine_spec()`'s shape (megatron/core/models/gpt/
+    gpt_layer_specs.py) with the stand-ins, and ``core_attention`` (TE's needs CUDA)."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=TELayerNormColumnParallelLinear, core_attention=core_attention,
+                    linear_proj=TERowParallelLinear, q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp)),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear)),
+            mlp_bda=get_bias_dropout_add))

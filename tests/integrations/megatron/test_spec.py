@@ -1,0 +1,184 @@
+"""The Kareus layer spec builds the model Megatron would have built (issue 35, item 1): a
+GPTModel (RoPE, as Llama and Qwen3 have it) built with ``layer_spec`` (what
+``--spec kareus.integrations.megatron.spec layer_spec`` hands Megatron-LM) and one built with
+Megatron's own spec function called with the same flags, from the same seed, have the same
+state-dict keys, shapes and values, and the same module class at every name (but the layer's
+own). Flags no single layer spec describes are refused in one line naming them.
+
+One spawned process (gloo, TP=1: building needs Megatron's parallel state) builds all models;
+the tests read its results. Building is all this needs: nothing runs on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+COMMON = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+              use_cpu_initialization=True, params_dtype=torch.float32,
+              transformer_impl="local")
+FLAGS = {
+    # Llama: RMSNorm, SwiGLU, no biases, grouped-query attention, RoPE
+    "llama": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False, num_query_groups=2),
+    # Qwen3: Llama's, and --qk-layernorm
+    "qwen3": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False, num_query_groups=2, qk_layernorm=True),
+    # GPT: LayerNorm, biases, GeLU
+    "gpt": dict(normalization="LayerNorm", add_bias_linear=True),
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def _model(cfg, spec):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    torch.manual_seed(7)
+    return GPTModel(cfg, spec, vocab_size=128, max_sequence_length=16,
+                    position_embedding_type="rope", rotary_base=1000000)
+
+
+def _compare(cfg, megatron_spec, kareus_spec) -> dict:
+    a, b = _model(cfg, megatron_spec), _model(cfg, kareus_spec)
+    sa, sb = a.state_dict(), b.state_dict()
+    types_a = {n: type(m).__name__ for n, m in a.named_modules()}
+    types_b = {n: type(m).__name__ for n, m in b.named_modules()}
+    layers = {n for n, t in types_b.items() if t == "KareusConfiguredLayer"}
+    return {
+        "keys": list(sa) == list(sb),
+        "shapes": all(getattr(sa[k], "shape", None) == getattr(sb[k], "shape", None)
+                      for k in sa),
+        "values": all(torch.equal(sa[k], sb[k]) for k in sa if torch.is_tensor(sa[k])),
+        "types": {n: t for n, t in types_a.items() if n not in layers} ==
+                 {n: t for n, t in types_b.items() if n not in layers},
+        "layers": len(layers),
+        "qk_norm_keys": sorted(k for k in sb if "q_layernorm" in k or "k_layernorm" in k),
+        "n_keys": len(sb),
+    }
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from kareus.integrations.megatron import spec as kspec
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    from megatron.core.transformer.spec_utils import import_module
+
+    res: dict = {"have_te": gpt_layer_specs.HAVE_TE,
+                 # what Megatron-LM's --spec MODULE NAME calls
+                 "imported": import_module(("kareus.integrations.megatron.spec", "layer_spec"))
+                 is kspec.layer_spec}
+    try:
+        for name, flags in FLAGS.items():
+            cfg = TransformerConfig(**COMMON, **flags)
+            # what Megatron-LM's builder calls without --spec (local implementation)
+            own = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm,
+                                           normalization=cfg.normalization)
+            res[name] = _compare(cfg, own, kspec.layer_spec)
+            named = (kspec.local_rmsnorm_layer_spec if cfg.normalization == "RMSNorm"
+                     else kspec.local_layer_spec)
+            res[f"{name} named"] = _compare(cfg, own, named)
+        # the named specs fix the local implementation: a config asking for TE's (Megatron's
+        # default) still gets what the name says, with the config's other flags
+        cfg = TransformerConfig(**{**COMMON, "transformer_impl": "transformer_engine"},
+                                **FLAGS["qwen3"])
+        own = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        res["named te config"] = _compare(cfg, own, kspec.local_rmsnorm_layer_spec)
+        res["te config unchanged"] = cfg.transformer_impl
+        res["refused"] = {
+            "moe": _refusal(lambda: _model(TransformerConfig(
+                **COMMON, **FLAGS["llama"], num_moe_experts=4), kspec.layer_spec)),
+            "mtp": _refusal(lambda: _model(TransformerConfig(
+                **COMMON, **FLAGS["llama"], mtp_num_layers=1), kspec.layer_spec)),
+            "wrong norm": _refusal(lambda: _model(TransformerConfig(
+                **COMMON, **FLAGS["gpt"]), kspec.local_rmsnorm_layer_spec)),
+        }
+        if not gpt_layer_specs.HAVE_TE:
+            res["refused"]["te"] = _refusal(lambda: _model(TransformerConfig(
+                **{**COMMON, "transformer_impl": "transformer_engine"}, **FLAGS["llama"]),
+                kspec.layer_spec))
+    finally:
+        torch.save(res, os.path.join(out_dir, "rank0.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spec")
+    mp.spawn(_worker, args=(_port(), str(out)), nprocs=1, join=True)
+    return torch.load(out / "rank0.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_layer_spec_builds_megatron_s_model_from_the_flags(results, name):
+    for key in (name, f"{name} named"):
+        got = results[key]
+        assert got["keys"] and got["shapes"] and got["values"] and got["types"], (key, got)
+        assert got["layers"] == 2
+        assert got["n_keys"] > 10
+
+
+def test_megatron_s_import_module_finds_layer_spec(results):
+    assert results["imported"]
+
+
+def test_qk_layernorm_gives_q_and_k_norm_weights(results):
+    """The issue's repro: with --qk-layernorm the static spec built IdentityOp q/k norms."""
+    want = [f"decoder.layers.{i}.self_attention.{w}_layernorm.weight"
+            for i in (0, 1) for w in "kq"]
+    assert results["qwen3"]["qk_norm_keys"] == want
+    assert results["qwen3 named"]["qk_norm_keys"] == want
+    assert results["llama"]["qk_norm_keys"] == []
+
+
+def test_named_specs_fix_the_local_implementation(results):
+    got = results["named te config"]
+    assert got["keys"] and got["values"] and got["types"]
+    assert results["te config unchanged"] == "transformer_engine"
+
+
+def test_what_no_layer_spec_describes_is_refused_in_one_line(results):
+    refused = results["refused"]
+    for what, flag in (("moe", "--num-experts"), ("mtp", "--mtp-num-layers")):
+        assert refused[what].startswith(f"SpecError: the Kareus layer spec cannot build "
+                                        f"{flag}"), refused[what]
+    assert "normalization='RMSNorm'" in refused["wrong norm"]
+    assert "'LayerNorm'" in refused["wrong norm"]
+    if not results["have_te"]:
+        assert refused["te"].startswith("SpecError: transformer_impl='transformer_engine' "
+                                        "needs Transformer Engine"), refused["te"]
+    for msg in refused.values():
+        assert "\n" not in msg

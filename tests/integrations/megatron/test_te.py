@@ -1,0 +1,221 @@
+"""The Kareus layer on Megatron's Transformer Engine spec (issue 35, item 3), on the CPU over
+gloo, 2 processes, TP=2, fp32, with a stand-in for TE's linears (te_standin.py: TE does not
+import without CUDA; the stand-in has exactly the attributes and semantics the adapter
+relies on, from TE 2.11's sources). With a plan, the layer's output and every parameter and
+input gradient equal the same stand-in layer's own communicating forward and backward, for
+every slot; its fused norms' weight gradients are summed (one all-reduce per layer
+backward); TE's own all-reduces are off while a piece runs. What a plan cannot run on TE's
+modules is refused in one line. Nothing here says anything about TE's kernels on a GPU
+(scripts/gpu_check.py --megatron-te does).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
+from tests.integrations.megatron.test_layer import (  # noqa: E402
+    BATCH,
+    FFN,
+    GROUPS,
+    HEADS,
+    HIDDEN,
+    PARTS,
+    PLANS,
+    SEQ,
+    _Counter,
+    _layer_run,
+    _port,
+    _refusal,
+    _rel,
+)
+
+FLAGS = {
+    "llama": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False),
+    "gpt": dict(normalization="LayerNorm", add_bias_linear=True),
+}
+
+
+def _config(**flags):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, use_cpu_initialization=True, params_dtype=torch.float32,
+        bf16=False, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2,
+        bias_dropout_fusion=False, **flags)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.integrations.megatron import te
+    from kareus.integrations.megatron.cpu import SDPACoreAttention, rotary_embedding
+    from kareus.integrations.megatron.spec import kareus_layer_spec
+    from tests.integrations.megatron.te_standin import te_spec
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    res: dict = {}
+    plain_spec = te_spec(SDPACoreAttention)
+    kareus_spec = kareus_layer_spec(plain_spec)
+    try:
+        for name, flags in FLAGS.items():
+            cfg = _config(**flags)
+            torch.manual_seed(0)
+            plain = build_module(plain_spec, config=cfg, layer_number=1)
+            torch.manual_seed(0)
+            kareus = build_module(kareus_spec, config=cfg, layer_number=1)
+            g = torch.Generator().manual_seed(11)
+            x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+            dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+            emb = rotary_embedding(HIDDEN // HEADS, SEQ)
+            counter = _Counter()
+            dist.all_reduce = counter
+            out: dict = {"names": [n for n, _ in kareus.named_parameters()]}
+            try:
+                ref = _layer_run(plain, x, dy, emb)
+                out["all_reduces_plain"] = counter.n
+                counter.n = 0
+                out["unset"] = max(_rel(a, b) for a, b in
+                                   zip(_layer_run(kareus, x, dy, emb), ref))
+                out["all_reduces_unset"] = counter.n
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    kareus.set_kareus_plan(LayerPlan.from_partitions(PARTS, PLANS["slot 0"]))
+                out["warnings"] = [str(w.message) for w in caught]
+                worst, counts = {}, {}
+                for plan_name, knobs in PLANS.items():
+                    kareus.set_kareus_plan(LayerPlan.from_partitions(PARTS, knobs))
+                    counter.n = 0
+                    got = _layer_run(kareus, x, dy, emb)
+                    counts[plan_name] = counter.n
+                    worst[plan_name] = max(_rel(a, b) for a, b in zip(got, ref))
+                    modes = [m.parallel_mode for _, m, _ in kareus._kareus_te.linears]
+                out["worst"], out["counts"], out["modes_after"] = worst, counts, modes
+                # the fused norms' weight gradients: the same on both ranks, Megatron's
+                ln = [p.grad.clone() for n, p in kareus.named_parameters()
+                      if "layer_norm_" in n]
+                gathered = [[torch.empty_like(t) for _ in range(world)] for t in ln]
+                for t, parts in zip(ln, gathered):
+                    dist.all_gather(parts, t)
+                out["ln_same_on_ranks"] = all(torch.equal(p[0], p[1]) for p in gathered)
+                out["n_ln"] = len(ln)
+                # full recompute through torch's reentrant checkpoint
+                counter.n = 0
+                out["recompute"] = max(_rel(a, b) for a, b in zip(
+                    _layer_run(kareus, x, dy, emb, checkpoint=True), ref))
+            finally:
+                dist.all_reduce = counter._orig
+            kareus.set_kareus_plan(None)
+            res[name] = out
+        res["refusals"] = _refusals(kareus_spec, build_module, te)
+    finally:
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _refusals(kareus_spec, build_module, te) -> dict:
+    out = {}
+
+    def layer():
+        torch.manual_seed(0)
+        return build_module(kareus_spec, config=_config(**FLAGS["gpt"]), layer_number=1)
+
+    plan = LayerPlan.from_partitions(PARTS, PLANS["slot 0"])
+    for what, extra in (("fp8", {"fp8": "e4m3"}), ("tp_comm_overlap", {"tp_comm_overlap": True})):
+        lay = layer()
+        lay.config = copy.copy(lay.config)
+        for key, value in extra.items():
+            setattr(lay.config, key, value)
+        out[what] = _refusal(lambda lay=lay: lay.set_kareus_plan(plan))
+    lay = layer()
+    lay.self_attention.linear_proj.apply_bias = True  # skip_bias_add=False
+    out["row bias"] = _refusal(lambda: lay.set_kareus_plan(plan))
+    lay = layer()
+    lay.mlp.linear_fc1.ub_overlap_ag_fprop = True
+    out["userbuffers"] = _refusal(lambda: lay.set_kareus_plan(plan))
+    lay = layer()
+    lay.mlp.linear_fc2.parallel_mode = None  # a TE linear Megatron built without TP comm
+    out["mode"] = _refusal(lambda: lay.set_kareus_plan(plan))
+    out["not_run_line"] = te.NOT_RUN_ON_GPU
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_te")
+    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("flags", sorted(FLAGS))
+def test_without_a_plan_the_te_layer_is_megatron_s(results, flags):
+    for res in results:
+        got = res[flags]
+        assert got["unset"] == 0.0
+        assert got["all_reduces_unset"] == got["all_reduces_plain"] == 4
+
+
+@pytest.mark.parametrize("flags", sorted(FLAGS))
+def test_every_plan_equals_the_te_layer(results, flags):
+    for rank, res in enumerate(results):
+        got = res[flags]
+        assert set(got["worst"]) == set(PLANS)
+        for plan, err in got["worst"].items():
+            assert err < 1e-5, (rank, flags, plan, err)
+            # the schedule's 4 per nanobatch, and one for the fused norms' weights
+            assert got["counts"][plan] == 9, (plan, got["counts"][plan])
+        assert got["modes_after"] == ["column", "row", "column", "row"]  # restored
+        assert got["recompute"] < 1e-5
+
+
+@pytest.mark.parametrize("flags", sorted(FLAGS))
+def test_fused_norm_weight_gradients_are_summed(results, flags):
+    """Without the sum each rank's norm weights would get its own part of the gradient
+    (TE's LayerNormLinear runs the norm's backward on the all-reduced gradient)."""
+    want = 4 if flags == "gpt" else 2  # weight (and bias for LayerNorm) of QKV and FC1
+    for res in results:
+        assert res[flags]["n_ln"] == want
+        assert res[flags]["ln_same_on_ranks"]
+    names = results[0][flags]["names"]
+    assert "self_attention.linear_qkv.layer_norm_weight" in names
+    assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+
+
+def test_the_te_path_warns_once_that_it_has_not_run_on_a_gpu(results):
+    line = results[0]["refusals"]["not_run_line"]
+    assert "not run on a GPU" in line and "--megatron-te" in line and "\n" not in line
+    assert results[0]["llama"]["warnings"] == [line]  # the first TE layer with a plan
+    assert results[0]["gpt"]["warnings"] == []  # once per process
+
+
+def test_what_a_plan_cannot_run_on_te_is_refused_in_one_line(results):
+    refusals = dict(results[0]["refusals"])
+    refusals.pop("not_run_line")
+    assert "FP8" in refusals["fp8"]
+    assert "TP communication overlap" in refusals["tp_comm_overlap"]
+    assert "linear_proj adds its bias after its all-reduce" in refusals["row bias"]
+    assert "linear_fc1 uses userbuffers (ub_overlap_ag_fprop)" in refusals["userbuffers"]
+    assert "linear_fc2 has parallel_mode=None, not 'row'" in refusals["mode"]
+    for what, msg in refusals.items():
+        assert msg.startswith("SpecError: a Kareus plan cannot run"), (what, msg)
+        assert "\n" not in msg
