@@ -326,6 +326,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         def __init__(self, chunk: int, config, events: list) -> None:
             super().__init__()
             self.chunk, self.config, self.events = chunk, config, events
+            self.vp_stage = chunk  # as Megatron's GPTModel has it
             self.model_type = ModelType.encoder_or_decoder
             self.layer = build_module(spec, config=config, layer_number=1, vp_stage=chunk)
             self.layer.register_forward_pre_hook(self._seen)
@@ -357,7 +358,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 log = os.path.join(out_dir, f"clocks-{pp}-{stage}-{rank}.log")
                 mp_plan = MegatronPlan(plan, job, stage, controller=FrequencyController(
                     plan.execution, stage, dry_run=True, log_path=log, pp=pp))
-                mp_plan.attach(chunks)
+                if stage == 0:  # the list Megatron's schedule takes
+                    mp_plan.attach(chunks)
+                else:  # one at a time, where each is built (chunk: its vp_stage)
+                    for chunk in chunks:
+                        mp_plan.attach(chunk)
                 with mp_plan.controller:
                     for _ in range(steps):
                         megatron_run(chunks, pp, stage, mbs, events)
@@ -398,6 +403,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         refused("microbatches", lambda: megatron_run(chunks, pp, 0, mbs + pp, []))
         res["ran before the mismatch"] = other.position
         other.detach()
+        partial = MegatronPlan(plan, job, 0).attach(chunks[0], chunk=0)
+        refused("again", lambda: partial.attach(chunks[0]))
+        refused("missing chunk", lambda: chunks[0](torch.ones(SEQ, BATCH, HIDDEN,
+                                                              requires_grad=True)))
+        partial.detach()
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
@@ -479,8 +489,12 @@ def test_models_that_are_not_the_plan_s_job_are_refused_in_one_line(driven):
     _out, results = driven
     for res in results:
         for what in ("one chunk", "two layers", "plain config", "controller pp",
-                     "microbatches"):
+                     "microbatches", "again", "missing chunk"):
             assert "\n" not in res[what], what
+        assert res["again"] == "model chunk 0 is attached already"
+        assert res["missing chunk"] == ("model chunk 1 of pipeline rank 0 is not attached "
+                                        "to plan test-000: attach every chunk before "
+                                        "training")
         assert res["one chunk"] == ("1 model chunks, but the plan's job runs 2 per pipeline "
                                     "rank (interleaved 1F1B, virtual_pipeline 2)")
         assert res["two layers"] == ("the model is not the plan's job: model chunk 0 has 2 "

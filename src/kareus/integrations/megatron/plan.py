@@ -142,8 +142,9 @@ class MegatronPlan:
         """The same order without the virtual stages."""
         self.controller = controller
         self.default_sms = default_sms
-        self.chunks: list[list[Any]] = []
-        """Per model chunk, its `KareusTransformerLayer`s."""
+        self.chunks: list[list[Any]] = [[] for _ in range(self.vp)]
+        """Per model chunk, its `KareusTransformerLayer`s (once attached)."""
+        self._attached: set[int] = set()
         self.layers: list[Any] = []
         """Every chunk's layers."""
         self.position = 0
@@ -217,52 +218,74 @@ class MegatronPlan:
 
     # Following the schedule -------------------------------------------------------------
 
-    def attach(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> MegatronPlan:
+    def attach(self, model: torch.nn.Module | Sequence[torch.nn.Module],
+               chunk: int | None = None) -> MegatronPlan:
         """Follow the instructions ``model`` runs: the rank's model (a GPTModel, or the
         DDP/Float16Module wrapping it), or the list of its model chunks as Megatron's
-        schedules take it (one per virtual stage of the rank, in order). The chunks and
-        their `KareusTransformerLayer`s must match the plan's job: its virtual_pipeline,
-        its layers per virtual stage, and per layer hidden size, heads, query groups, FFN,
-        TP and recompute."""
+        schedules take it (one per virtual stage of the rank, in order). Under
+        interleaved 1F1B the chunks may also be attached one at a time, where each is
+        built: ``attach(chunk_model, chunk=vp_stage)`` (``chunk`` defaults to the model's
+        own ``vp_stage``, which Megatron's GPTModel has); every chunk must be attached
+        before the first forward. The chunks and their `KareusTransformerLayer`s must
+        match the plan's job: its virtual_pipeline, its layers per virtual stage, and per
+        layer hidden size, heads, query groups, FFN, TP and recompute."""
         from kareus.integrations.megatron.layer import KareusTransformerLayer
 
-        chunks = list(model) if isinstance(model, Sequence) else [model]
-        if len(chunks) != self.vp:
-            what = ("interleaved 1F1B, virtual_pipeline" if self.vp > 1
-                    else "plain 1F1B, virtual_pipeline")
-            raise SpecError(f"{len(chunks)} model chunks, but the plan's job runs {self.vp} "
-                            f"per pipeline rank ({what} {self.vp})")
-        per_chunk = [[m for m in chunk.modules() if isinstance(m, KareusTransformerLayer)]
-                     for chunk in chunks]
-        if not any(per_chunk):
+        vp = self.vp
+        if isinstance(model, Sequence):
+            if len(model) != vp:
+                what = "interleaved 1F1B" if vp > 1 else "plain 1F1B"
+                raise SpecError(f"{len(model)} model chunks, but the plan's job runs {vp} per "
+                                f"pipeline rank ({what}, virtual_pipeline {vp})")
+            pairs = list(enumerate(model))
+        else:
+            if chunk is None:
+                chunk = 0 if vp == 1 else getattr(model, "vp_stage", None)
+            if chunk is None:
+                raise SpecError(f"the plan's job interleaves {vp} model chunks per pipeline "
+                                f"rank: attach the list of the rank's chunks, or each chunk "
+                                f"with attach(chunk_model, chunk=its vp_stage)")
+            if not 0 <= chunk < vp:
+                raise SpecError(f"model chunk {chunk} is not one of the {vp} per pipeline "
+                                f"rank of the plan's job (virtual_pipeline {vp})")
+            pairs = [(chunk, model)]
+        again = sorted(c for c, _m in pairs if c in self._attached)
+        if again:
+            raise SpecError(f"model chunk {again[0]} is attached already")
+        per_chunk = {c: [m for m in chunk_model.modules()
+                         if isinstance(m, KareusTransformerLayer)]
+                     for c, chunk_model in pairs}
+        if not any(per_chunk.values()):
             raise SpecError("the model has no KareusTransformerLayer: build it with "
                             "kareus.integrations.megatron.spec.kareus_layer_spec(...)")
         self._check_chunks(per_chunk)
-        for layers in per_chunk:
+        for layers in per_chunk.values():
             for layer in layers:
                 self._check_layer(layer)
         self._check_controller()
-        self.chunks = per_chunk
-        self.layers = [layer for layers in per_chunk for layer in layers]
-        for c, chunk in enumerate(chunks):
+        for c, chunk_model in pairs:
+            self.chunks[c] = per_chunk[c]
+            self._attached.add(c)
             self._handles += [
-                chunk.register_forward_pre_hook(functools.partial(self._on_forward, c)),
-                chunk.register_forward_hook(functools.partial(self._after_forward, c))]
+                chunk_model.register_forward_pre_hook(functools.partial(self._on_forward, c)),
+                chunk_model.register_forward_hook(functools.partial(self._after_forward, c))]
+        self.layers = [layer for layers in self.chunks for layer in layers]
         return self
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for c in range(len(self.chunks)):
+        for c in range(self.vp):
             self._set(c, None)
+        self._attached.clear()
 
-    def _check_chunks(self, per_chunk: list[list[Any]]) -> None:
+    def _check_chunks(self, per_chunk: dict[int, list[Any]]) -> None:
         """Each chunk has the layers of its virtual stage in the plan's job: the plan's
         instruction times are for that many."""
         want = self.job.layers_per_stage or ()
         wrong = []
-        for c, layers in enumerate(per_chunk):
+        for c, layers in sorted(per_chunk.items()):
             stage = c * self.pp + self.stage
             if len(layers) != want[stage]:
                 where = (f"model chunk {c} has {len(layers)} Kareus layers (the plan's job: "
@@ -353,6 +376,11 @@ class MegatronPlan:
         if not (torch.is_grad_enabled() and module.training):
             self._set(chunk, None)  # evaluation: Megatron's layer, not an instruction
             return
+        if len(self._attached) != self.vp:
+            missing = sorted(set(range(self.vp)) - self._attached)
+            raise KareusError(f"model chunk {missing[0]} of pipeline rank {self.stage} is "
+                              f"not attached to plan {self.plan.id}: attach every chunk "
+                              f"before training")
         iid = self._expect(chunk, None, "forward")
         self._current[chunk] = iid[1]
         self._mark(iid)
