@@ -1,21 +1,25 @@
-"""`MegatronPlan`: a Kareus plan on one pipeline stage of a Megatron-Core model, following
-the instructions Megatron's own 1F1B schedule runs, without any patch to Megatron.
+"""`MegatronPlan`: a Kareus plan on one pipeline rank of a Megatron-Core model, following
+the instructions Megatron's own 1F1B schedule runs, plain or interleaved, without any
+patch to Megatron.
 
 Megatron's schedules (`pipeline_parallel/schedules.py`) have no per-instruction hook, so the
-plan watches the model chunk itself:
-- a forward pre-hook on the chunk marks a forward instruction: the next one of the stage's
-  1F1B order (the plan's timeline for that stage, by start time);
+plan watches the model chunks themselves (one per rank in plain 1F1B; ``virtual_pipeline``
+of them in the interleaved schedule, chunk ``c`` of rank ``r`` being virtual stage
+``c x pp + r``):
+- a forward pre-hook on each chunk marks a forward instruction: the next one of the rank's
+  order (the plan's timeline for the rank's stages, by start time), which must be a
+  forward of that chunk;
 - a gradient hook on that forward's output marks the start of the same microbatch's
-  backward (it fires when autograd reaches the chunk's output, before any of its layers'
-  backward, and before Megatron's full recompute re-runs their forward).
+  backward on the same chunk (it fires when autograd reaches the chunk's output, before
+  any of its layers' backward, and before Megatron's full recompute re-runs their forward).
 At each, every `KareusTransformerLayer` of the chunk gets the instruction's `LayerPlan`
 (`MegatronPlan._layer_plan`: at a forward, its partitions at the forward's clock and the
 backward partitions at the backward's; at a backward, the backward instruction's own,
 whose forward partitions run Megatron's full recompute), and the frequency controller gets
-the instruction's clock. An instruction the plan does not
-have next (another microbatch count, an interleaved schedule, a forward where a backward
-is due) raises at once: the plan is never applied to the wrong instruction. Forwards
-without gradients (evaluation) run Megatron's plain layer and are not counted.
+the instruction's clock. An instruction the plan does not have next (another microbatch
+count, another schedule, a forward where a backward is due, another chunk) raises at once:
+the plan is never applied to the wrong instruction. Forwards without gradients
+(evaluation) run Megatron's plain layer and are not counted.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from typing import Any
 
 import torch
 
+from kareus.core import InstructionId
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec, validate_job
 from kareus.plans.plan import Plan
-from kareus.plans.schedule import one_f_one_b
+from kareus.plans.schedule import one_f_one_b, rank_order
 from kareus.results.resultdir import ResultDir
 from kareus.runtime.frequency_controller import FrequencyController
 from kareus.runtime.layer_plan import LayerPlan, layer_plan_for
@@ -59,26 +64,64 @@ def stage_order(plan: Plan, pp: int, microbatches: int, stage: int) -> list[Inst
     return order
 
 
+def rank_instructions(plan: Plan, job: JobSpec, rank: int) -> list[InstructionId]:
+    """Pipeline rank ``rank``'s instructions, (virtual stage, microbatch, direction), in
+    the order of the plan's timeline. Plain 1F1B: `stage_order`. Interleaved 1F1B: the
+    timeline must run exactly Megatron's interleaved order (`rank_order`: Megatron's
+    schedule table, groups of ``pp`` microbatches, every chunk in turn), which is the only
+    order Megatron's schedule runs; a plan whose timeline has another is refused here, not
+    halfway through a step."""
+    pp, microbatches, vp = job.pp, job.num_microbatches, job.virtual_pipeline
+    if vp == 1:
+        return [(rank, m, d) for m, d in stage_order(plan, pp, microbatches, rank)]
+    expected = rank_order(pp, microbatches, rank, vp)
+    position = {iid: i for i, iid in enumerate(expected)}
+    bars = [e for e in plan.timeline
+            if e.stage % pp == rank and e.kind in ("forward", "backward")]
+    if not bars:
+        return expected
+    # equal starts (instructions of no duration) are taken in Megatron's order
+    bars.sort(key=lambda e: (e.start_s, position.get((e.stage, e.microbatch, e.kind),
+                                                     len(expected))))
+    order = [(e.stage, e.microbatch, e.kind) for e in bars]
+    if sorted(order) != sorted(expected):
+        raise SpecError(f"plan {plan.id}'s timeline of pipeline rank {rank} does not hold "
+                        f"the {len(expected)} instructions of {microbatches} microbatches "
+                        f"on {vp} model chunks (virtual stages "
+                        f"{', '.join(str(c * pp + rank) for c in range(vp))})")
+    if order != expected:
+        i = next(i for i, (a, b) in enumerate(zip(order, expected, strict=True)) if a != b)
+        raise SpecError(f"plan {plan.id}'s timeline of pipeline rank {rank} is not "
+                        f"Megatron's interleaved 1F1B order: its instruction {i + 1} is "
+                        f"{_describe(order[i], pp)}, Megatron runs {_describe(expected[i], pp)}")
+    return order
+
+
+def _describe(iid: InstructionId, pp: int) -> str:
+    stage, microbatch, direction = iid
+    return (f"the {direction} of microbatch {microbatch} on model chunk {stage // pp} "
+            f"(virtual stage {stage})")
+
+
 def check_job(job: JobSpec) -> None:
     """What a plan can run inside Megatron-Core: TP with or without sequence parallelism,
-    without context parallelism (kareus.integrations.megatron.layer.SUPPORTED), on plain
-    1F1B (the plan follows one model chunk per stage, not the interleaved schedule's
-    chunks)."""
-    problems = [what for what, hit in (("context parallelism", job.cp > 1),
-                                       (f"interleaved 1F1B (virtual_pipeline "
-                                        f"{job.virtual_pipeline})", job.virtual_pipeline > 1))
+    without context parallelism (kareus.integrations.megatron.layer.SUPPORTED), on plain or
+    interleaved 1F1B."""
+    problems = [what for what, hit in (("context parallelism", job.cp > 1),)
                 if hit]
     if problems:
         raise SpecError(f"the plan's job uses {' and '.join(problems)}, which the Kareus "
                         f"layer for Megatron-Core does not run; supported: tensor "
-                        f"parallelism with or without sequence parallelism, plain 1F1B, on "
-                        f"Megatron-Core's local modules")
+                        f"parallelism with or without sequence parallelism, plain or "
+                        f"interleaved 1F1B, on Megatron-Core's local or Transformer Engine "
+                        f"modules")
 
 
 class MegatronPlan:
-    """A plan for ``stage`` of its job: per instruction, the layers' `LayerPlan` and the
-    clock (given to ``controller``, a `FrequencyController` of the same plan and stage).
-    ``attach(chunk)`` starts following the schedule."""
+    """A plan for pipeline rank ``stage`` of its job: per instruction, the layers'
+    `LayerPlan` and the clock (given to ``controller``, a `FrequencyController` of the same
+    plan and rank; with interleaved 1F1B made with ``pp=job.pp``). ``attach(model)``
+    starts following the schedule."""
 
     def __init__(self, plan: Plan, job: JobSpec, stage: int,
                  controller: FrequencyController | None = None, default_sms: int = 32
@@ -88,20 +131,34 @@ class MegatronPlan:
             raise SpecError(f"stage {stage} is not a pipeline stage of the plan's job "
                             f"(pp={job.pp})")
         self.plan, self.job, self.stage = plan, job, stage
+        self.pp, self.vp = job.pp, job.virtual_pipeline
         self.partitions: dict[str, Partition] = dict(Workload.build(job).partitions
                                                      .partitions)
-        self.order = stage_order(plan, job.pp, job.num_microbatches, stage)
+        self.instructions: list[InstructionId] = rank_instructions(plan, job, stage)
+        """The rank's instructions in order: (virtual stage, microbatch, direction); the
+        virtual stage of model chunk c is c x pp + stage (the stage itself in plain
+        1F1B)."""
+        self.order: list[Instruction] = [(m, d) for _s, m, d in self.instructions]
+        """The same order without the virtual stages."""
         self.controller = controller
         self.default_sms = default_sms
+        self.chunks: list[list[Any]] = [[] for _ in range(self.vp)]
+        """Per model chunk, its `KareusTransformerLayer`s (once attached)."""
+        self._attached: set[int] = set()
         self.layers: list[Any] = []
+        """Every chunk's layers."""
         self.position = 0
         """Instructions of the current iteration run so far."""
         self.iterations = 0
         self.log: list[tuple[int, str, LayerPlan | None]] = []
-        """Every instruction marked: (microbatch, direction, the layers' LayerPlan)."""
+        """Every instruction marked: (microbatch, direction, the layers' LayerPlan); entry
+        i is ``instructions[i % len(instructions)]``."""
         self._handles: list[Any] = []
-        self._current = 0
-        self._plans = {(m, d): self._layer_plan(m, d) for m in range(job.num_microbatches)
+        self._current = [0] * self.vp
+        """Per chunk, the microbatch of its latest forward."""
+        self._plans = {(c * self.pp + stage, m, d): self._layer_plan(c * self.pp + stage,
+                                                                     m, d)
+                       for c in range(self.vp) for m in range(job.num_microbatches)
                        for d in ("forward", "backward")}
 
     @classmethod
@@ -121,8 +178,9 @@ class MegatronPlan:
         plan, job = ResultDir(result).read_plan(plan_id)
         return cls(plan, validate_job(dict(job)), stage, **kwargs)
 
-    def _layer_plan(self, microbatch: int, direction: str) -> LayerPlan | None:
-        """What the layers run from the mark of ``direction`` of ``microbatch`` on.
+    def _layer_plan(self, stage: int, microbatch: int, direction: str) -> LayerPlan | None:
+        """What the layers of virtual stage ``stage`` run from the mark of ``direction``
+        of ``microbatch`` on.
 
         At the forward: the forward partitions at the forward's clock, and the backward
         ones at the backward's (without recompute the forward is the only one, and its
@@ -131,7 +189,7 @@ class MegatronPlan:
         partitions included: under full recompute the forward is re-run inside the
         backward instruction, at its clock, and that re-run's settings drive the
         backward; None where the plan runs the backward Megatron-style."""
-        ex, stage = self.plan.execution, self.stage
+        ex = self.plan.execution
         bwd = layer_plan_for(ex, self.partitions, (stage, microbatch, "backward"),
                              self.default_sms)
         if direction == "backward":
@@ -152,49 +210,124 @@ class MegatronPlan:
         return {s.sms for lp in self._plans.values() if lp is not None
                 for s in lp.settings.values() if s.sms > 0}
 
-    def layer_plan(self, microbatch: int, direction: str = "forward") -> LayerPlan | None:
-        """What the layers run from the mark of that instruction on (None: Megatron's)."""
-        return self._plans[(microbatch, direction)]
+    def layer_plan(self, microbatch: int, direction: str = "forward", chunk: int = 0
+                   ) -> LayerPlan | None:
+        """What model chunk ``chunk``'s layers run from the mark of that instruction on
+        (None: Megatron's)."""
+        return self._plans[(chunk * self.pp + self.stage, microbatch, direction)]
 
     # Following the schedule -------------------------------------------------------------
 
-    def attach(self, chunk: torch.nn.Module | Sequence[torch.nn.Module]) -> MegatronPlan:
-        """Follow the instructions ``chunk`` (the stage's model: a GPTModel, or the
-        DDP/Float16Module wrapping it) runs. Its `KareusTransformerLayer`s must match the
-        plan's job (hidden size, heads, query groups, FFN, TP)."""
+    def attach(self, model: torch.nn.Module | Sequence[torch.nn.Module],
+               chunk: int | None = None) -> MegatronPlan:
+        """Follow the instructions ``model`` runs: the rank's model (a GPTModel, or the
+        DDP/Float16Module wrapping it), or the list of its model chunks as Megatron's
+        schedules take it (one per virtual stage of the rank, in order). Under
+        interleaved 1F1B the chunks may also be attached one at a time, where each is
+        built: ``attach(chunk_model, chunk=vp_stage)`` (``chunk`` defaults to the model's
+        own ``vp_stage``, which Megatron's GPTModel has); every chunk must be attached
+        before the first forward. The chunks and their `KareusTransformerLayer`s must
+        match the plan's job: its virtual_pipeline, its layers per virtual stage, and per
+        layer hidden size, heads, query groups, FFN, TP and recompute."""
         from kareus.integrations.megatron.layer import KareusTransformerLayer
 
-        if isinstance(chunk, Sequence):
-            if len(chunk) != 1:
-                raise SpecError(f"{len(chunk)} model chunks: Kareus plans plain 1F1B (one "
-                                f"chunk per stage), not interleaved pipelines")
-            chunk = chunk[0]
-        self.layers = [m for m in chunk.modules() if isinstance(m, KareusTransformerLayer)]
-        if not self.layers:
+        vp = self.vp
+        if isinstance(model, Sequence):
+            if len(model) != vp:
+                what = "interleaved 1F1B" if vp > 1 else "plain 1F1B"
+                raise SpecError(f"{len(model)} model chunks, but the plan's job runs {vp} per "
+                                f"pipeline rank ({what}, virtual_pipeline {vp})")
+            pairs = list(enumerate(model))
+        else:
+            if chunk is None:
+                chunk = 0 if vp == 1 else getattr(model, "vp_stage", None)
+            if chunk is None:
+                raise SpecError(f"the plan's job interleaves {vp} model chunks per pipeline "
+                                f"rank: attach the list of the rank's chunks, or each chunk "
+                                f"with attach(chunk_model, chunk=its vp_stage)")
+            if not 0 <= chunk < vp:
+                raise SpecError(f"model chunk {chunk} is not one of the {vp} per pipeline "
+                                f"rank of the plan's job (virtual_pipeline {vp})")
+            pairs = [(chunk, model)]
+        again = sorted(c for c, _m in pairs if c in self._attached)
+        if again:
+            raise SpecError(f"model chunk {again[0]} is attached already")
+        per_chunk = {c: [m for m in chunk_model.modules()
+                         if isinstance(m, KareusTransformerLayer)]
+                     for c, chunk_model in pairs}
+        if not any(per_chunk.values()):
             raise SpecError("the model has no KareusTransformerLayer: build it with "
                             "kareus.integrations.megatron.spec.kareus_layer_spec(...)")
-        for layer in self.layers:
-            self._check_layer(layer)
-        self._handles = [chunk.register_forward_pre_hook(self._on_forward),
-                         chunk.register_forward_hook(self._after_forward)]
+        self._check_chunks(per_chunk)
+        for layers in per_chunk.values():
+            for layer in layers:
+                self._check_layer(layer)
+        self._check_controller()
+        for c, chunk_model in pairs:
+            self.chunks[c] = per_chunk[c]
+            self._attached.add(c)
+            self._handles += [
+                chunk_model.register_forward_pre_hook(functools.partial(self._on_forward, c)),
+                chunk_model.register_forward_hook(functools.partial(self._after_forward, c))]
+        self.layers = [layer for layers in self.chunks for layer in layers]
         return self
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._set(None)
+        for c in range(self.vp):
+            self._set(c, None)
+        self._attached.clear()
+
+    def _check_chunks(self, per_chunk: dict[int, list[Any]]) -> None:
+        """Each chunk has the layers of its virtual stage in the plan's job: the plan's
+        instruction times are for that many."""
+        want = self.job.layers_per_stage or ()
+        wrong = []
+        for c, layers in sorted(per_chunk.items()):
+            stage = c * self.pp + self.stage
+            if len(layers) != want[stage]:
+                where = (f"model chunk {c} has {len(layers)} Kareus layers (the plan's job: "
+                         f"{want[stage]} on virtual stage {stage})" if self.vp > 1 else
+                         f"the model has {len(layers)} Kareus layers (the plan's job: "
+                         f"{want[stage]} on stage {stage})")
+                wrong.append(where)
+        if wrong:
+            raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
+
+    def _check_controller(self) -> None:
+        """The controller's clocks are the plan's for this rank's stages."""
+        ctl = self.controller
+        if ctl is None:
+            return
+        if ctl.stage != self.stage:
+            raise SpecError(f"the frequency controller is for stage {ctl.stage}, the plan "
+                            f"follows stage {self.stage}")
+        if self.vp > 1 and ctl.pp != self.pp:
+            raise SpecError(f"the frequency controller was made with pp={ctl.pp}, but the "
+                            f"plan's job interleaves {self.vp} chunks over pp={self.pp}: "
+                            f"FrequencyController(..., pp={self.pp})")
 
     def _check_layer(self, layer: Any) -> None:
         cfg, m, tp = layer.config, self.job.model, self.job.tp
         want = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
                 "num_query_groups": m.num_kv_heads, "ffn_hidden_size": m.ffn_hidden_size,
                 "kv_channels": m.head_dim, "tensor_model_parallel_size": tp}
+        if self.vp > 1:  # the order of Megatron's interleaved schedule depends on these
+            want.update(pipeline_model_parallel_size=self.pp,
+                        virtual_pipeline_model_parallel_size=self.vp,
+                        microbatch_group_size_per_vp_stage=self.pp)
         got = {k: getattr(cfg, k, None) for k in want}
         if got["num_query_groups"] is None:  # Megatron: no GQA means one group per head
             got["num_query_groups"] = got["num_attention_heads"]
         wrong = [f"{k} {got[k]} (the plan's job: {v})" for k, v in want.items()
                  if got[k] != v]
+        if self.vp == 1 and (getattr(cfg, "virtual_pipeline_model_parallel_size", None)
+                             or 1) > 1:
+            wrong.append(f"virtual_pipeline_model_parallel_size "
+                         f"{cfg.virtual_pipeline_model_parallel_size} (the plan's job: plain "
+                         f"1F1B)")
         full = getattr(cfg, "recompute_granularity", None) == "full"
         if full != self.job.recompute:  # the plan's instruction times assume one or other
             wrong.append(f"recompute_granularity {getattr(cfg, 'recompute_granularity', None)}"
@@ -207,37 +340,56 @@ class MegatronPlan:
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
-    def _set(self, plan: LayerPlan | None) -> None:
-        for layer in self.layers:
+    def _set(self, chunk: int, plan: LayerPlan | None) -> None:
+        for layer in self.chunks[chunk]:
             layer.set_kareus_plan(plan)
 
-    def _expect(self, microbatch: int | None, direction: str) -> int:
-        """The next instruction of the order, checked; its microbatch."""
-        if self.position >= len(self.order):
+    def _expect(self, chunk: int, microbatch: int | None, direction: str) -> InstructionId:
+        """The next instruction of the order, checked against what ran."""
+        if self.position >= len(self.instructions):
             self.position = 0
             self.iterations += 1
-        want_m, want_d = self.order[self.position]
-        if want_d != direction or (microbatch is not None and microbatch != want_m):
-            got = f"{direction} of microbatch {microbatch}" if microbatch is not None \
-                else f"a {direction}"
-            raise KareusError(
-                f"the pipeline schedule ran {got} where plan {self.plan.id} has the "
-                f"{want_d} of microbatch {want_m} next (stage {self.stage}, instruction "
-                f"{self.position + 1} of {len(self.order)}): the plan is for plain 1F1B "
-                f"with {self.job.num_microbatches} microbatches, not another microbatch "
-                f"count or an interleaved schedule")
+        want = self.instructions[self.position]
+        want_s, want_m, want_d = want
+        if (want_d != direction or want_s // self.pp != chunk
+                or (microbatch is not None and microbatch != want_m)):
+            raise KareusError(self._out_of_order(chunk, microbatch, direction, want))
         self.position += 1
-        return want_m
+        return want
 
-    def _on_forward(self, module: torch.nn.Module, _args: tuple[Any, ...]) -> None:
+    def _out_of_order(self, chunk: int, microbatch: int | None, direction: str,
+                      want: InstructionId) -> str:
+        where = (f"instruction {self.position + 1} of {len(self.instructions)}")
+        if self.vp == 1:
+            got = (f"{direction} of microbatch {microbatch}" if microbatch is not None
+                   else f"a {direction}")
+            return (f"the pipeline schedule ran {got} where plan {self.plan.id} has the "
+                    f"{want[2]} of microbatch {want[1]} next (stage {self.stage}, {where}): "
+                    f"the plan is for plain 1F1B with {self.job.num_microbatches} "
+                    f"microbatches, not another microbatch count or an interleaved schedule")
+        got = (f"the {direction} of microbatch {microbatch} on model chunk {chunk}"
+               if microbatch is not None else f"a {direction} of model chunk {chunk}")
+        return (f"the pipeline schedule ran {got} where plan {self.plan.id} has "
+                f"{_describe(want, self.pp)} next (pipeline rank {self.stage}, {where}): "
+                f"the plan is for Megatron's interleaved 1F1B over {self.vp} model chunks "
+                f"with {self.job.num_microbatches} microbatches, not another microbatch "
+                f"count, chunk count or schedule")
+
+    def _on_forward(self, chunk: int, module: torch.nn.Module, _args: tuple[Any, ...]
+                    ) -> None:
         if not (torch.is_grad_enabled() and module.training):
-            self._set(None)  # evaluation: Megatron's layer, not an instruction
+            self._set(chunk, None)  # evaluation: Megatron's layer, not an instruction
             return
-        m = self._expect(None, "forward")
-        self._current = m
-        self._mark(m, "forward")
+        if len(self._attached) != self.vp:
+            missing = sorted(set(range(self.vp)) - self._attached)
+            raise KareusError(f"model chunk {missing[0]} of pipeline rank {self.stage} is "
+                              f"not attached to plan {self.plan.id}: attach every chunk "
+                              f"before training")
+        iid = self._expect(chunk, None, "forward")
+        self._current[chunk] = iid[1]
+        self._mark(iid)
 
-    def _after_forward(self, module: torch.nn.Module, _args: tuple[Any, ...],
+    def _after_forward(self, chunk: int, module: torch.nn.Module, _args: tuple[Any, ...],
                        output: Any) -> None:
         if not (torch.is_grad_enabled() and module.training):
             return
@@ -246,31 +398,34 @@ class MegatronPlan:
             raise KareusError("the model's output needs no gradient: its backward cannot "
                               "be followed")
         fired: list[bool] = []
-        tensor.register_hook(functools.partial(self._on_backward, self._current, fired))
+        tensor.register_hook(functools.partial(self._on_backward, chunk,
+                                               self._current[chunk], fired))
 
-    def _on_backward(self, microbatch: int, fired: list[bool], grad: torch.Tensor) -> None:
+    def _on_backward(self, chunk: int, microbatch: int, fired: list[bool],
+                     grad: torch.Tensor) -> None:
         if fired:
             return
         fired.append(True)
-        self._expect(microbatch, "backward")
-        self._mark(microbatch, "backward")
+        self._mark(self._expect(chunk, microbatch, "backward"))
 
-    def _mark(self, microbatch: int, direction: str) -> None:
-        plan = self._plans[(microbatch, direction)]
-        self._set(plan)
+    def _mark(self, iid: InstructionId) -> None:
+        stage, microbatch, direction = iid
+        chunk = stage // self.pp
+        plan = self._plans[iid]
+        self._set(chunk, plan)
         self.log.append((microbatch, direction, plan))
         if self.controller is not None:
-            send: Callable[[int], None] = (self.controller.before_forward
-                                           if direction == "forward"
-                                           else self.controller.before_backward)
-            send(microbatch)
+            send: Callable[[int, int], None] = (self.controller.before_forward
+                                                if direction == "forward"
+                                                else self.controller.before_backward)
+            send(microbatch, chunk)
 
     def check_complete(self) -> None:
         """After a training step: every instruction of the iteration ran (as Zeus's
         ``on_step_end`` checks); the next forward starts a new iteration."""
-        if self.position != len(self.order):
+        if self.position != len(self.instructions):
             raise KareusError(f"the step ran {self.position} of plan {self.plan.id}'s "
-                              f"{len(self.order)} instructions on stage {self.stage}")
+                              f"{len(self.instructions)} instructions on stage {self.stage}")
         self.position = 0
         self.iterations += 1
 
