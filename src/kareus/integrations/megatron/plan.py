@@ -34,87 +34,19 @@ import torch
 from kareus.core import InstructionId
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError, SpecError
+from kareus.integrations.megatron.order import (
+    Instruction,
+    check_job,
+    describe,
+    rank_instructions,
+)
 from kareus.job.spec import JobSpec, validate_job
 from kareus.plans.plan import Plan
-from kareus.plans.schedule import one_f_one_b, rank_order
 from kareus.results.resultdir import ResultDir
 from kareus.runtime.frequency_controller import FrequencyController
 from kareus.runtime.layer_plan import LayerPlan, layer_plan_for
 from kareus.workload.partition import Partition
 from kareus.workload.workload import Workload
-
-Instruction = tuple[int, str]
-"""(microbatch, "forward" | "backward") on this stage."""
-
-
-def stage_order(plan: Plan, pp: int, microbatches: int, stage: int) -> list[Instruction]:
-    """The stage's instructions in the order the plan's timeline runs them (plain 1F1B
-    where the plan has no timeline); a timeline that is not a 1F1B order of ``stage`` is
-    refused."""
-    expected = one_f_one_b(pp, microbatches, stage)
-    bars = sorted((e for e in plan.timeline
-                   if e.stage == stage and e.kind in ("forward", "backward")),
-                  key=lambda e: (e.start_s, e.kind != "backward"))
-    if not bars:
-        return expected
-    order = [(e.microbatch, e.kind) for e in bars]
-    if sorted(order) != sorted(expected):
-        raise SpecError(f"plan {plan.id}'s timeline of stage {stage} does not hold the "
-                        f"{len(expected)} instructions of {microbatches} microbatches")
-    return order
-
-
-def rank_instructions(plan: Plan, job: JobSpec, rank: int) -> list[InstructionId]:
-    """Pipeline rank ``rank``'s instructions, (virtual stage, microbatch, direction), in
-    the order of the plan's timeline. Plain 1F1B: `stage_order`. Interleaved 1F1B: the
-    timeline must run exactly Megatron's interleaved order (`rank_order`: Megatron's
-    schedule table, groups of ``pp`` microbatches, every chunk in turn), which is the only
-    order Megatron's schedule runs; a plan whose timeline has another is refused here, not
-    halfway through a step."""
-    pp, microbatches, vp = job.pp, job.num_microbatches, job.virtual_pipeline
-    if vp == 1:
-        return [(rank, m, d) for m, d in stage_order(plan, pp, microbatches, rank)]
-    expected = rank_order(pp, microbatches, rank, vp)
-    position = {iid: i for i, iid in enumerate(expected)}
-    bars = [e for e in plan.timeline
-            if e.stage % pp == rank and e.kind in ("forward", "backward")]
-    if not bars:
-        return expected
-    # equal starts (instructions of no duration) are taken in Megatron's order
-    bars.sort(key=lambda e: (e.start_s, position.get((e.stage, e.microbatch, e.kind),
-                                                     len(expected))))
-    order = [(e.stage, e.microbatch, e.kind) for e in bars]
-    if sorted(order) != sorted(expected):
-        raise SpecError(f"plan {plan.id}'s timeline of pipeline rank {rank} does not hold "
-                        f"the {len(expected)} instructions of {microbatches} microbatches "
-                        f"on {vp} model chunks (virtual stages "
-                        f"{', '.join(str(c * pp + rank) for c in range(vp))})")
-    if order != expected:
-        i = next(i for i, (a, b) in enumerate(zip(order, expected, strict=True)) if a != b)
-        raise SpecError(f"plan {plan.id}'s timeline of pipeline rank {rank} is not "
-                        f"Megatron's interleaved 1F1B order: its instruction {i + 1} is "
-                        f"{_describe(order[i], pp)}, Megatron runs {_describe(expected[i], pp)}")
-    return order
-
-
-def _describe(iid: InstructionId, pp: int) -> str:
-    stage, microbatch, direction = iid
-    return (f"the {direction} of microbatch {microbatch} on model chunk {stage // pp} "
-            f"(virtual stage {stage})")
-
-
-def check_job(job: JobSpec) -> None:
-    """What a plan can run inside Megatron-Core: TP with or without sequence parallelism,
-    without context parallelism (kareus.integrations.megatron.layer.SUPPORTED), on plain or
-    interleaved 1F1B."""
-    problems = [what for what, hit in (("context parallelism", job.cp > 1),)
-                if hit]
-    if problems:
-        raise SpecError(f"the plan's job uses {' and '.join(problems)}, which the Kareus "
-                        f"layer for Megatron-Core does not run; supported: tensor "
-                        f"parallelism with or without sequence parallelism, plain or "
-                        f"interleaved 1F1B, on Megatron-Core's local or Transformer Engine "
-                        f"modules")
 
 
 class MegatronPlan:
@@ -370,7 +302,7 @@ class MegatronPlan:
         got = (f"the {direction} of microbatch {microbatch} on model chunk {chunk}"
                if microbatch is not None else f"a {direction} of model chunk {chunk}")
         return (f"the pipeline schedule ran {got} where plan {self.plan.id} has "
-                f"{_describe(want, self.pp)} next (pipeline rank {self.stage}, {where}): "
+                f"{describe(want, self.pp)} next (pipeline rank {self.stage}, {where}): "
                 f"the plan is for Megatron's interleaved 1F1B over {self.vp} model chunks "
                 f"with {self.job.num_microbatches} microbatches, not another microbatch "
                 f"count, chunk count or schedule")

@@ -41,7 +41,7 @@ from torch import Tensor
 from kareus.gpu.partition_runner import SideStream
 from kareus.gpu.runtimes import Collective, Runner
 from kareus.integrations.megatron.layer import KareusTransformerLayer, MegatronLayerOps
-from kareus.integrations.megatron.plan import check_job
+from kareus.integrations.megatron.order import check_job
 from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import BACKWARD_TAPS, Taps
 from kareus.runtime.overlap_tp import no_slot
