@@ -4,7 +4,9 @@ import without CUDA; the stand-in has exactly the attributes and semantics the a
 relies on, from TE 2.11's sources). With a plan, the layer's output and every parameter and
 input gradient equal the same stand-in layer's own communicating forward and backward, for
 every slot; its fused norms' weight gradients are summed (one all-reduce per layer
-backward); TE's own all-reduces are off while a piece runs. What a plan cannot run on TE's
+backward); TE's own all-reduces are off while a piece runs. With sequence parallelism the
+same against the stand-in's own SP layer (the fused norms' weight gradients are then each
+rank's share, which Megatron's finalize_model_grads sums). What a plan cannot run on TE's
 modules is refused in one line. Nothing here says anything about TE's kernels on a GPU
 (scripts/gpu_check.py --megatron-te does).
 """

@@ -127,7 +127,7 @@ class TEAdapter:
             raise SpecError(f"a Kareus plan cannot run on this layer's Transformer Engine "
                             f"modules ({'; '.join(wrong)}); supported: Megatron's TE spec "
                             f"(get_gpt_layer_with_transformer_engine_spec), dense MLP")
-        norm_params = [
+        norm_params: list[Any] = [
             p for _, m, mode in self.linears if mode == "column"
             for p in (getattr(m, "layer_norm_weight", None), getattr(m, "layer_norm_bias", None))
             if isinstance(p, torch.nn.Parameter) and p.requires_grad]
