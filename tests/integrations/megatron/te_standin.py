@@ -13,7 +13,19 @@ sources (transformer_engine/pytorch/module/linear.py, layernorm_linear.py) and M
 - ``apply_bias = bias and not return_bias``; a row-parallel linear adds an applied bias
   after the all-reduce (``gemm_bias_unfused_add``, linear.py:1299-1303);
 - ``tp_size``, ``tp_group``, ``sequence_parallel = tp_size > 1 and sequence_parallel``
-  (linear.py:1138), the ``ub_*`` flags (False without userbuffers);
+  (linear.py:1138, layernorm_linear.py:1209), the ``ub_*`` flags (False without
+  userbuffers);
+- under sequence parallelism (saved as ``ctx.sequence_parallel``, linear.py:465,
+  layernorm_linear.py:503), "column" all-gathers its input along the first dimension, a
+  fused norm's output ``ln_out`` (layernorm_linear.py:151, :246-283; linear.py:146, :213),
+  uses the gathered input for the weight gradient (layernorm_linear.py:416-418, :667-696;
+  linear.py:381-383, :668) and reduce-scatters the input gradient instead of all-reducing
+  it (layernorm_linear.py:763-764, linear.py:747-748), before the norm's backward; "row"
+  reduce-scatters its output instead of all-reducing it (linear.py:357-358) and
+  all-gathers the output gradient (base.py:1113-1119, ``grad_output_preprocess``);
+- the fused norm's parameters are marked ``sequence_parallel`` with the module's value
+  (layernorm_linear.py:1442-1444), and so is a row-parallel linear's bias
+  (linear.py:1341-1342);
 - Megatron's wrappers: ``te_return_bias = skip_bias_add and bias``, forward returns
   ``(out, bias or None)`` (transformer_engine.py:669-685, :890-907), ``parallel_mode``
   "column" for `TELayerNormColumnParallelLinear` and `TEColumnParallelLinear`, "row" for
@@ -49,6 +61,24 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     return t
 
 
+def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """TE's ``gather_along_first_dim``."""
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] * dist.get_world_size(group), *t.shape[1:]))
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def _reduce_scatter(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """TE's ``reduce_scatter_along_first_dim``."""
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]))
+    # torch 2.13 has reduce_scatter_single (reduce_scatter_tensor warns it is deprecated)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, t, group=group)
+    return out
+
+
 def _norm(x, weight, bias, normalization: str, eps: float, zero_centered: bool):
     w = weight + 1 if zero_centered else weight
     if normalization == "RMSNorm":
@@ -64,16 +94,20 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ln_weight, ln_bias, module):
         mode, tp = module.parallel_mode, module.tp_size
         ctx.mode, ctx.tp, ctx.group, ctx.module = mode, tp, module.tp_group, module
+        ctx.sp = module.sequence_parallel
         ctx.save_for_backward(x, weight, ln_weight, ln_bias)
         ctx.has_bias = bias is not None
         inp = x
         if module.fused_norm:
             inp = _norm(x, ln_weight, ln_bias, *module.norm_args)
+        if mode == "column" and ctx.sp:
+            inp = _gather(inp, module.tp_group)
         out = inp @ weight.t()
         if bias is not None and not module.gemm_bias_unfused_add:
             out = out + bias
         if mode == "row" and tp > 1:
-            out = _all_reduce(out, module.tp_group)
+            out = (_reduce_scatter(out, module.tp_group) if ctx.sp
+                   else _all_reduce(out, module.tp_group))
         return out
 
     @staticmethod
@@ -85,10 +119,15 @@ class _LinearFn(torch.autograd.Function):
             lw = ln_weight.detach().requires_grad_(True) if ln_weight is not None else None
             lb = ln_bias.detach().requires_grad_(True) if ln_bias is not None else None
             inp = _norm(xr, lw, lb, *module.norm_args) if module.fused_norm else xr
+        column_sp = ctx.mode == "column" and ctx.sp
+        if ctx.mode == "row" and ctx.sp:
+            g = _gather(g, ctx.group)
         dgrad = g @ weight
         if ctx.mode == "column" and ctx.tp > 1:
-            dgrad = _all_reduce(dgrad, ctx.group)
-        wgrad = g.reshape(-1, g.shape[-1]).t() @ inp.detach().reshape(-1, inp.shape[-1])
+            dgrad = (_reduce_scatter(dgrad, ctx.group) if column_sp
+                     else _all_reduce(dgrad, ctx.group))
+        total = _gather(inp.detach(), ctx.group) if column_sp else inp.detach()
+        wgrad = g.reshape(-1, g.shape[-1]).t() @ total.reshape(-1, total.shape[-1])
         bgrad = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
         dx, dlw, dlb = dgrad, None, None
         if module.fused_norm:  # the norm's backward, on the (all-reduced) gradient
@@ -143,6 +182,12 @@ class StandInTELinear(torch.nn.Module):
             bias_value = full_bias
         assert self.weight.shape == (out_f, in_f)
         self.bias = torch.nn.Parameter(bias_value) if bias else None
+        if self.bias is not None and parallel_mode == "row":
+            self.bias.sequence_parallel = self.sequence_parallel
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            p = getattr(self, name, None)
+            if p is not None:
+                p.sequence_parallel = self.sequence_parallel
 
     def _norm_params(self, in_f: int) -> None:
         pass

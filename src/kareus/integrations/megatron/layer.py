@@ -37,9 +37,9 @@ before its backward; that re-run keeps the pieces' graphs and the backward uses 
 nothing is computed or communicated a third time (kareus.runtime.pieces).
 
 Supported with a plan: tensor parallelism with or without sequence parallelism on
-Megatron's local modules (`get_gpt_layer_local_spec`), without it on Transformer Engine's
-(kareus.integrations.megatron.te: not run on a GPU yet), dense MLP, self-attention, no or
-full recompute, in
+Megatron's local modules (`get_gpt_layer_local_spec`) or Transformer Engine's
+(kareus.integrations.megatron.te: under SP the schedule gathers the pre-norm input of TE's
+fused norm; not run on a GPU yet), dense MLP, self-attention, no or full recompute, in
 training. Anything else is refused in one line (`check_config`); without a plan the layer is
 exactly Megatron's, whatever the configuration.
 """
@@ -69,7 +69,7 @@ _UNSUPPORTED_KWARGS = ("context", "context_mask", "inference_context", "inferenc
 packed sequences, fused-RoPE inference inputs): refused when set."""
 
 SUPPORTED = ("tensor parallelism with or without sequence parallelism on Megatron-Core's "
-             "local modules (get_gpt_layer_local_spec), without it on Transformer Engine's, "
+             "local modules (get_gpt_layer_local_spec) or Transformer Engine's, "
              "a dense MLP, no or full recompute")
 
 

@@ -18,19 +18,35 @@ Transformer Engine 2.11's released sources (transformer_engine/pytorch/module/):
   (layernorm_linear.py:959-989). Without that all-reduce its norm gets this rank's part:
   the layer input's gradient is still a partial sum (the schedule all-reduces it, as for
   the local modules), and so are the norm weights' (``layer_norm_weight``,
-  ``layer_norm_bias``), which `partial_grad_params` names for the executor to sum over
-  the TP group, once per layer backward (kareus.runtime.overlap_tp);
+  ``layer_norm_bias``), which without sequence parallelism `partial_grad_params` names
+  for the executor to sum over the TP group, once per layer backward
+  (kareus.runtime.overlap_tp; under SP see below);
 - a row-parallel linear that adds its bias itself (``apply_bias``: Megatron's
   ``skip_bias_add=False``) adds it after its all-reduce (``gemm_bias_unfused_add``,
   linear.py:1299-1303): without the all-reduce every rank would add it. Megatron's layer
   builds its row-parallel linears with ``skip_bias_add=True``; anything else is refused;
-- sequence parallelism and userbuffers (``ub_*``, ``tp_comm_overlap``) change what TE
-  communicates and where; refused here (userbuffers are sized for the whole microbatch and
-  fixed per GEMM).
+- under sequence parallelism a column-parallel linear all-gathers its input along the
+  sequence (a fused one: its norm's output, ``ln_out``) only when ``parallel_mode ==
+  "column"`` (linear.py:146, :213; layernorm_linear.py:151, :246-283), and again for its
+  weight gradient in the backward (linear.py:381-383, :668; layernorm_linear.py:416-418,
+  :688), where it reduce-scatters its input gradient instead of all-reducing it
+  (linear.py:747-748, layernorm_linear.py:763-764); a row-parallel one reduce-scatters its
+  output only when ``parallel_mode == "row"`` (linear.py:354-358, layernorm_linear.py:392-396)
+  and all-gathers its output gradient (base.py:1113-1119). So ``parallel_mode=None`` takes
+  these out too, and the SP schedule (kareus.runtime.overlap_sp) gathers the identity norm
+  piece's output, i.e. the PRE-norm input: the core's fused norm then normalises the whole
+  gathered sequence, token by token, which is what normalising each shard and gathering
+  gives. Its weights' gradients are then each rank's share (the partial input gradient over
+  the whole sequence), whose sum over the TP group is the full gradient; TE marks them
+  ``sequence_parallel`` (layernorm_linear.py:1442-1444) and Megatron's
+  `finalize_model_grads` sums exactly the parameters so marked, so under SP they are not
+  summed here (that would count them twice);
+- userbuffers (``ub_*``, ``tp_comm_overlap``) change what TE communicates and where;
+  refused here (userbuffers are sized for the whole microbatch and fixed per GEMM).
 
 So with TE's modules a layer's pieces are: an identity "norm" piece (``input_layernorm``
 and ``pre_mlp_layernorm`` are `IdentityOp` in the TE spec) and a core piece that starts
-with the fused norm. The schedule's boundaries, all-reduces and slots are unchanged.
+with the fused norm. The schedule's boundaries, collectives and slots are unchanged.
 
 Transformer Engine does not install or import without CUDA. The CPU tests run this adapter
 on a stand-in with exactly these attributes and semantics
@@ -75,15 +91,14 @@ def check_config(config: Any) -> None:
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         problems.append("FP8/FP4 (TE's scaling factors are reduced per GEMM call over the "
                         "TP group; per nanobatch they would change)")
-    if getattr(config, "sequence_parallel", False):
-        problems.append("sequence parallelism on Transformer Engine's modules")
     if getattr(config, "tp_comm_overlap", False):
         problems.append("tp_comm_overlap (TE's userbuffers are sized for the whole "
                         "microbatch and fixed per GEMM)")
     if problems:
         raise SpecError(f"a Kareus plan cannot run Transformer Engine's layer with "
                         f"{'; '.join(problems)}; supported: Transformer Engine's spec at TP "
-                        f"without sequence parallelism, bf16/fp16/fp32, no or full recompute")
+                        f"with or without sequence parallelism, bf16/fp16/fp32, no or full "
+                        f"recompute")
 
 
 class TEAdapter:
@@ -102,8 +117,6 @@ class TEAdapter:
                 continue
             if module.parallel_mode != mode:
                 wrong.append(f"{name} has parallel_mode={module.parallel_mode!r}, not {mode!r}")
-            if getattr(module, "sequence_parallel", False):
-                wrong.append(f"{name} is sequence-parallel")
             ub = [f for f in _UB_FLAGS if getattr(module, f, False)]
             if ub:
                 wrong.append(f"{name} uses userbuffers ({', '.join(ub)})")
@@ -114,11 +127,20 @@ class TEAdapter:
             raise SpecError(f"a Kareus plan cannot run on this layer's Transformer Engine "
                             f"modules ({'; '.join(wrong)}); supported: Megatron's TE spec "
                             f"(get_gpt_layer_with_transformer_engine_spec), dense MLP")
-        self.partial_grad_params: list[torch.nn.Parameter] = [
+        norm_params: list[Any] = [
             p for _, m, mode in self.linears if mode == "column"
             for p in (getattr(m, "layer_norm_weight", None), getattr(m, "layer_norm_bias", None))
             if isinstance(p, torch.nn.Parameter) and p.requires_grad]
-        """The fused norms' weights: their gradients come out of a piece partial."""
+        self.sequence_parallel = any(getattr(m, "sequence_parallel", False)
+                                     for _, m, _ in self.linears)
+        if self.sequence_parallel:
+            for p in norm_params:  # as TE marks them (layernorm_linear.py:1442-1444)
+                p.sequence_parallel = True
+        self.partial_grad_params: list[torch.nn.Parameter] = (
+            [] if self.sequence_parallel else norm_params)
+        """The fused norms' weights, whose gradients come out of a piece partial and
+        nothing else sums: without SP (under SP each rank's is its share, which
+        Megatron's `finalize_model_grads` sums over the TP group)."""
         global _warned
         if not _warned:
             _warned = True
@@ -126,8 +148,9 @@ class TEAdapter:
 
     @contextlib.contextmanager
     def without_communication(self) -> Iterator[None]:
-        """TE's linears with ``parallel_mode=None`` (no forward all-reduce, no backward
-        all-reduce: both follow the mode a forward saw); restored after the piece."""
+        """TE's linears with ``parallel_mode=None`` (no all-reduce, and under SP no
+        all-gather or reduce-scatter, forward or backward: the backward follows the mode
+        its forward saw); restored after the piece."""
         saved = [m.parallel_mode for _, m, _ in self.linears]
         try:
             for _, m, _ in self.linears:
