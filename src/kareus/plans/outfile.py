@@ -27,7 +27,7 @@ def check_out_file(path: str | Path, *, option: str, force: bool = False,
     inside a directory of Kareus's of any kind (result, import-perseus, compare; through
     links too): its next run would refuse a file Kareus did not write. ``suffix``: the
     name must end in it (any case). A name that is not UTF-8 or is too long to write
-    (`kareus.core.owned_dir.check_name`) is refused. An existing file is refused unless
+    (`kareus.core.names.check_name`) is refused. An existing file is refused unless
     ``force``; a directory always, and so is a file in a directory that is missing or not
     writable."""
     if not str(path).strip():  # Path("") would read as the current directory
