@@ -12,7 +12,7 @@ from PIL import Image
 from kareus.errors import KareusError, SpecError
 from kareus.plans.plan import PlanPower, TimelineEntry
 from kareus.plans.power import trace_of
-from kareus.results.power_figure import power_figure, rank_traces
+from kareus.results.power_figure import power_figure, rank_colors, rank_traces
 from kareus.results.resultdir import ResultDir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -134,3 +134,18 @@ def test_virtual_stages_draw_on_their_rank(plans, tmp_path):
     power_figure(plan, png, "interleaved", window_s=1.0, cap_w=800.0)
     assert png.read_bytes().startswith(PNG_MAGIC)
     assert description(png) == "peak over 1 s: 0.800 kW; cap: 0.800 kW"
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_rank_fills_are_none_of_the_timelines_other_colours(n):
+    """Issue 34: the timeline's caption names orange for the DP sync, and the power panel
+    below it filled stage 1 with the same orange; the cap line is red."""
+    from matplotlib.colors import to_rgb
+
+    from kareus.results.timeline import ITERATION_END_COLOR
+
+    others = [np.array(to_rgb(c)) for c in (ITERATION_END_COLOR, "red")]
+    fills = rank_colors(n)
+    assert len(fills) == n
+    for fill in fills:
+        assert min(np.abs(np.array(fill[:3]) - o).sum() for o in others) > 0.5

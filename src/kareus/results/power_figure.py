@@ -22,6 +22,16 @@ def row_name(stages: int, ranks: int) -> str:
     return "rank" if stages > ranks else "stage"
 
 
+def rank_colors(n: int) -> list[tuple[float, float, float, float]]:
+    """The fill of each of ``n`` stacked ranks: shades of one blue, dark to light. Not a
+    qualitative map: its orange and red are the timeline's DP-sync bars and the cap line
+    in the same figure (kareus.results.timeline)."""
+    from matplotlib import colormaps
+
+    blues = colormaps["Blues"]
+    return [blues(0.85 - 0.45 * i / max(1, n - 1)) for i in range(n)]
+
+
 def rank_traces(plan: Plan) -> list[PowerTrace]:
     """Each pipeline rank's power: its GPUs' static power and its bars' dynamic power (a
     bar of virtual stage s runs on rank s % pp); together they make the plan's trace."""
@@ -86,10 +96,7 @@ def power_panel(plan: Plan, title: str, window_s: float = DEFAULT_WINDOW_S,
         "none" if cap_w is None else f"{cap_w / 1e3:.3f} kW")
 
     def _draw(ax: Any) -> None:
-        from matplotlib import colormaps
-
-        cmap = colormaps["tab20" if len(ranks) > 10 else "tab10"]
-        ax.stackplot(x, *ys, step="post", colors=[cmap(i % cmap.N) for i in range(len(ys))],
+        ax.stackplot(x, *ys, step="post", colors=rank_colors(len(ys)),
                      labels=[f"{row} {i}" for i in range(len(ys))], alpha=0.75)
         ax.step(x, line, where="post", color="black", linewidth=1.0,
                 label="cluster total")
