@@ -46,6 +46,20 @@ def _timed(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - t0
 
 
+def median_times_s(arms: dict[str, Callable[[], None]], device: str, reps: int,
+                   warmup: int) -> dict[str, float]:
+    """Each arm's median wall time, s: ``warmup`` rounds, then ``reps`` rounds running the
+    arms in alternation (so drift and throttling fall on every arm alike)."""
+    for _ in range(warmup):
+        for fn in arms.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(reps):
+        for name, fn in arms.items():
+            times[name].append(_timed(fn, device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def layer_overhead(job: JobSpec, device: str, reps: int = 20, warmup: int = 3
                    ) -> dict[str, Any]:
     """Median forward+backward time of Megatron's layer and of the Kareus layer without
@@ -68,16 +82,9 @@ def layer_overhead(job: JobSpec, device: str, reps: int = 20, warmup: int = 3
             x.grad = None
         return run
 
-    arms = {"megatron": step(None), "kareus": step(no_overlap)}
-    for _ in range(warmup):
-        for fn in arms.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(reps):
-        for name, fn in arms.items():
-            times[name].append(_timed(fn, device))
+    med = median_times_s({"megatron": step(None), "kareus": step(no_overlap)}, device,
+                         reps, warmup)
     layer.set_kareus_plan(None)
-    med = {k: statistics.median(v) for k, v in times.items()}
     return {"megatron_ms": med["megatron"] * 1e3, "kareus_ms": med["kareus"] * 1e3,
             "overhead": med["kareus"] / med["megatron"] - 1.0, "reps": reps,
             "tokens": int(x.shape[0] * x.shape[1])}

@@ -20,7 +20,6 @@ spec of stand-in modules and the numbers only show that the code runs.
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 
 from kareus.core import PartitionSetting
 from kareus.errors import KareusError
-from kareus.integrations.megatron.overhead import _timed
+from kareus.integrations.megatron.overhead import median_times_s
 from kareus.integrations.megatron.profiling import _megatron_state
 from kareus.job.spec import JobSpec
 from kareus.runtime.layer_plan import LayerPlan
@@ -160,15 +159,8 @@ def te_layer_check(job: JobSpec, device: str, reps: int = 20, warmup: int = 3,
 
     arms = {"megatron": arm(plain, None), "kareus_no_plan": arm(kareus, None),
             "kareus_plan": arm(kareus, plans["no overlap"])}
-    for _ in range(warmup):
-        for fn in arms.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(reps):
-        for name, fn in arms.items():
-            times[name].append(_timed(fn, device))
+    med = {k: s * 1e3 for k, s in median_times_s(arms, device, reps, warmup).items()}
     kareus.set_kareus_plan(None)
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"same_params": same_params, "errors_fp32": errors,
             "megatron_ms": med["megatron"], "kareus_no_plan_ms": med["kareus_no_plan"],
             "kareus_plan_ms": med["kareus_plan"],
