@@ -245,12 +245,14 @@ class MegatronPlan:
         cfg, m, tp = layer.config, self.job.model, self.job.tp
         want = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
                 "num_query_groups": m.num_kv_heads, "ffn_hidden_size": m.ffn_hidden_size,
-                "kv_channels": m.head_dim, "tensor_model_parallel_size": tp}
+                "kv_channels": m.head_dim, "tensor_model_parallel_size": tp,
+                "context_parallel_size": self.job.cp}
         if self.vp > 1:  # the order of Megatron's interleaved schedule depends on these
             want.update(pipeline_model_parallel_size=self.pp,
                         virtual_pipeline_model_parallel_size=self.vp,
                         microbatch_group_size_per_vp_stage=self.pp)
         got = {k: getattr(cfg, k, None) for k in want}
+        got["context_parallel_size"] = got["context_parallel_size"] or 1
         if got["num_query_groups"] is None:  # Megatron: no GQA means one group per head
             got["num_query_groups"] = got["num_attention_heads"]
         wrong = [f"{k} {got[k]} (the plan's job: {v})" for k, v in want.items()
