@@ -35,6 +35,9 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     if json_out:
         print_json(ps.to_dict())
         return
+    cp_note = ps.cp_communication
+    if cp_note is not None:
+        console.print(cp_note["note"], soft_wrap=True, markup=False, highlight=False)
     if not ps.partitions:
         console.print(ps.none_reason, soft_wrap=True, markup=False, highlight=False)
         return
@@ -120,6 +123,9 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
         for op in ops:
             if isinstance(op, Collective):
                 extra = f"{op.group}{op.group_size}"
+            elif op.ring_step_bytes:  # p2p CP: the ring inside the attention op
+                extra = (f"cp{job.cp} ring: {len(op.ring_step_bytes)} steps, "
+                         f"{_mib(sum(op.ring_step_bytes))} MiB sent")
             else:
                 extra = " + ".join("x".join(map(str, s)) for s in op.gemm_shapes)
             table.add_row(op.name, op.kind, _gflop(op.flops), _mib(op.bytes_), extra)
