@@ -5,6 +5,7 @@ import pytest
 from kareus.job.sources import build_job
 from kareus.job.spec import BYTES_PER_ELEMENT
 from kareus.workload.graph import ExecutionGraph
+from kareus.workload.layer import cp_communication
 from kareus.workload.ops import Collective
 from kareus.workload.workload import Workload
 
@@ -72,12 +73,12 @@ def test_all_gather_and_cp1_attention_carry_no_ring():
                    for op in _attention((*g.layer_forward, *g.layer_backward)))
 
 
-def test_partitions_json_says_how_cp_communicates():
-    ring = _ps(_job(cp_comm_type="p2p")).to_dict()
-    assert ring["job"]["cp_comm_type"] == "p2p"
-    assert ring["cp_communication"]["cp_comm_type"] == "p2p"
-    assert ring["cp_communication"]["in_partitions"] is False
-    assert "not a Kareus partition" in ring["cp_communication"]["note"]
-    gather = _ps(_job()).to_dict()["cp_communication"]
+def test_cp_communication_says_whether_cp_traffic_is_in_the_partitions():
+    ring = cp_communication(_job(cp_comm_type="p2p"))
+    assert ring is not None
+    assert ring["cp_comm_type"] == "p2p" and ring["in_partitions"] is False
+    assert "not a Kareus partition" in ring["note"]
+    gather = cp_communication(_job())
+    assert gather is not None
     assert gather["in_partitions"] is True and gather["cp_comm_type"] == "allgather"
-    assert "cp_communication" not in _ps(_job("kareus-1")).to_dict()
+    assert cp_communication(_job("kareus-1")) is None

@@ -14,6 +14,7 @@ from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS
 from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
+from kareus.workload.layer import cp_communication
 from kareus.workload.memory import check_fits
 from kareus.workload.ops import Collective
 from kareus.workload.workload import Workload
@@ -32,10 +33,10 @@ def _mib(x: float) -> str:
 def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     """List the job's partitions: keys, collectives, launch slots and knob spaces."""
     ps = Workload.build(job).partitions
+    cp_note = cp_communication(job)  # p2p CP: its traffic is inside the attention op
     if json_out:
-        print_json(ps.to_dict())
+        print_json({**ps.to_dict(), **({"cp_communication": cp_note} if cp_note else {})})
         return
-    cp_note = ps.cp_communication
     if cp_note is not None:
         console.print(cp_note["note"], soft_wrap=True, markup=False, highlight=False)
     if not ps.partitions:

@@ -10,14 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kareus.errors import SpecError
 from kareus.job.hardware import GPUSpec, get_gpu
@@ -64,12 +57,9 @@ MAX_KNOB_CHOICES = 256
 
 CpCommType = Literal["allgather", "p2p"]
 CP_COMM_TYPES: tuple[str, ...] = ("allgather", "p2p")
-"""Megatron-LM's ``--cp-comm-type`` values Kareus models: ``allgather`` (K/V all-gathered
-before attention, dK/dV reduce-scattered: Kareus's CP partitions; Megatron-Core's
-TransformerConfig and Transformer Engine write ``all_gather``, accepted as the same) and
-``p2p`` (Megatron-LM's default, Transformer Engine's ring attention: K/V chunks passed
-around the CP ring inside the attention op, which stays one compute op to a plan).
-Megatron's ``a2a`` and ``a2a+p2p`` (Ulysses-style head exchange) are not modelled."""
+"""Megatron-LM's ``--cp-comm-type`` values Kareus models (docs/workload.md): ``allgather``
+(Kareus's CP partitions; Megatron-Core and TE write ``all_gather``, accepted) and ``p2p``
+(Megatron-LM's default: Transformer Engine's ring inside the attention op). Not ``a2a``."""
 
 
 class ModelSpec(BaseModel):
@@ -326,8 +316,7 @@ class JobSpec(BaseModel):
 
     @property
     def cp_partitions(self) -> bool:
-        """CP's K/V all-gather and dK/dV reduce-scatter are collectives of the graph (and
-        of Kareus's partitions): all-gather CP with cp > 1."""
+        """CP's K/V all-gather and dK/dV reduce-scatter are the CP partitions' collectives."""
         return self.cp > 1 and self.cp_comm_type == "allgather"
 
     @property

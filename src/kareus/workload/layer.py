@@ -275,3 +275,19 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
         grad_in("qkv_grad_ar" if not sp else "qkv_grad_rs", "qkv" if cp else "attn"),
     ]
     return ops
+
+
+def cp_communication(job: JobSpec) -> dict | None:
+    """How the job's CP communicates and whether that traffic is in Kareus's partitions
+    (None without CP): what `kareus partitions` says."""
+    if job.cp == 1:
+        return None
+    if job.cp_ring:
+        note = (f"CP{job.cp} p2p: Transformer Engine's ring runs inside the attention op "
+                f"(core_attn, core_attn_bwd; one compute op to the plan); its K/V traffic "
+                f"is not a Kareus partition")
+    else:
+        note = (f"CP{job.cp} allgather: the K/V all-gathers and the dK/dV reduce-scatter "
+                f"are the CP partitions' collectives")
+    return {"cp": job.cp, "cp_comm_type": job.cp_comm_type,
+            "in_partitions": job.cp_partitions, "note": note}

@@ -12,9 +12,9 @@ the instruction runs alone ("exposed").
 Keys: ``{fwd|bwd}_{segment}`` (a recomputed forward is ``fwd``), with a suffix naming the
 overlapped collective (``_ar`` all-reduce, ``_ag`` all-gather, ``_rs`` reduce-scatter)
 only when the same segment meets collectives of more than one kind. With CP=1 this gives
-``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``; with CP>1 the twelve published keys
-(segments ``qkv``/``ao``/``mlp`` forward, ``mlp``/``o``/``a``/``qkv`` backward); with p2p CP
-(``cp_comm_type``) the CP ring stays inside the attention op and the keys are CP=1's. With
+``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp`` (also with p2p CP: its ring is inside
+the attention op); with CP>1 the twelve published keys (segments ``qkv``/``ao``/``mlp``
+forward, ``mlp``/``o``/``a``/``qkv`` backward). With
 sequence parallelism the TP collectives become all-gather/reduce-scatter and the norms form
 their own segments (``ln1``, ``ln2``), for example ``fwd_attn_ag``, ``fwd_attn_rs``,
 ``fwd_ln1_ag``; when TP and CP all-gathers meet the same segment, the suffix names the group
@@ -256,32 +256,12 @@ class PartitionSet:
     def keys(self) -> list[str]:
         return list(self.partitions)
 
-    @property
-    def cp_communication(self) -> dict | None:
-        """How the job's CP communicates and whether that traffic is in the partitions
-        (None without CP)."""
-        job = self.job
-        if job.cp == 1:
-            return None
-        if job.cp_ring:
-            note = (f"CP{job.cp} p2p: Transformer Engine's ring runs inside the attention op "
-                    f"(core_attn, core_attn_bwd; one compute op to the plan); its K/V "
-                    f"traffic is not a Kareus partition")
-        else:
-            note = (f"CP{job.cp} allgather: the K/V all-gathers and the dK/dV "
-                    f"reduce-scatter are the CP partitions' collectives")
-        return {"cp": job.cp, "cp_comm_type": job.cp_comm_type,
-                "in_partitions": job.cp_partitions, "note": note}
-
     def to_dict(self) -> dict:
-        out = {
+        return {
             "schema_version": SCHEMA_VERSION,
             "job": self.job.model_dump(mode="json"),
             "partitions": [p.to_dict() for p in self.partitions.values()],
         }
-        if self.cp_communication is not None:
-            out["cp_communication"] = self.cp_communication
-        return out
 
 
 def _collective_tags(graph: ExecutionGraph) -> dict[tuple[str, str], str]:
