@@ -34,6 +34,7 @@ import torch
 from kareus.core import InstructionId
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError, SpecError
+from kareus.integrations.megatron.ops import runs_cp_partitions
 from kareus.integrations.megatron.order import (
     Instruction,
     check_job,
@@ -225,6 +226,7 @@ class MegatronPlan:
                          f"the model has {len(layers)} Kareus layers (the plan's job: "
                          f"{want[stage]} on stage {stage})")
                 wrong.append(where)
+        wrong += _cp_mismatch(layer, self.job)
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
@@ -271,6 +273,7 @@ class MegatronPlan:
         if sp != self.job.sequence_parallel:  # other collectives, other partitions
             wrong.append(f"sequence_parallel {sp} (the plan's job: "
                          f"{'' if self.job.sequence_parallel else 'no '}sequence parallelism)")
+        wrong += _cp_mismatch(layer, self.job)
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
@@ -362,6 +365,23 @@ class MegatronPlan:
                               f"{len(self.instructions)} instructions on stage {self.stage}")
         self.position = 0
         self.iterations += 1
+
+
+def _cp_mismatch(layer: Any, job: JobSpec) -> list[str]:
+    """How the layer's CP communication differs from the plan's job's: all-gather CP runs
+    Kareus's CP partitions (the layer's core attention lets the schedule gather), p2p keeps
+    Transformer Engine's ring inside the attention op (TP partitions only)."""
+    if job.cp <= 1:
+        return []
+    core = type(layer.self_attention.core_attention).__name__
+    if runs_cp_partitions(layer) and job.cp_ring:
+        return [f"core attention {core}, whose K/V collectives are Kareus partitions (the "
+                f"plan's job: cp_comm_type p2p, the ring inside the attention op)"]
+    if not runs_cp_partitions(layer) and not job.cp_ring:
+        return [f"core attention {core}, which keeps its CP communication inside (the "
+                f"plan's job: cp_comm_type allgather, Kareus's CP partitions: use "
+                f"KareusCPCoreAttention)"]
+    return []
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:
