@@ -18,17 +18,34 @@ gates, the fused QKV-rotary kernel, activation offloading) is refused in one lin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import Any, Protocol
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from torch import Tensor
 
 from kareus.errors import SpecError
-from kareus.runtime.overlap import Taps
+from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.pieces import Before
 
-if TYPE_CHECKING:  # the layer builds its ops; the ops only call back into it
-    from kareus.integrations.megatron.layer import KareusTransformerLayer
+
+class KareusTransformerLayer(Protocol):
+    """What the ops use of `kareus.integrations.megatron.layer.KareusTransformerLayer`
+    (which builds them: a protocol here, not an import back into the layer): its Kareus
+    state, and Megatron's submodules and settings by their names."""
+
+    kareus_groups_by_sms: GroupsBySms | None
+    kareus_cp_groups_by_sms: GroupsBySms | None
+    _kareus_te: Any
+    training: bool
+
+    def _kareus_piece(self, before: Before, taps: Taps
+                      ) -> contextlib.AbstractContextManager[None]: ...
+
+    def __getattr__(self, name: str) -> Any:
+        """Megatron's submodules (``self_attention``, ``mlp``, the norms, the bias-dropout-
+        adds) and settings (``config``, ``hidden_dropout``)."""
+        ...
 
 
 class MegatronLayerOps:
