@@ -136,6 +136,16 @@ def runs_cp_partitions(layer: KareusTransformerLayer) -> bool:
     return cp_size(layer) > 1 and hasattr(core, "kv_gathered")
 
 
+def _cp_comm_type(layer: KareusTransformerLayer) -> str:
+    """The layer's CP communication as Megatron gives it to Transformer Engine's attention:
+    the config's ``cp_comm_type``, one for all layers or one per layer; Megatron-LM's
+    default ``p2p`` where it is unset."""
+    kind = getattr(layer.config, "cp_comm_type", None)
+    if isinstance(kind, (list, tuple)):
+        kind = kind[int(getattr(layer, "layer_number", 1)) - 1]
+    return str(kind or "p2p")
+
+
 def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> None:
     """One line for a CP layer (CP > 1) a plan cannot run. ``te_attention``: the layer
     runs Transformer Engine's modules (whose core attention may keep its ring CP)."""
@@ -143,10 +153,10 @@ def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> Non
     core = getattr(attn, "core_attention", None)
     problems = []
     if not runs_cp_partitions(layer):
-        ring = te_attention and (getattr(cfg, "cp_comm_type", None) or "p2p") == "p2p"
-        if not ring:
+        kind = _cp_comm_type(layer)
+        if not (te_attention and kind == "p2p"):
             problems.append(f"core attention {type(core).__name__} with cp_comm_type "
-                            f"{getattr(cfg, 'cp_comm_type', None)!r}")
+                            f"{kind!r}")
         if problems:
             raise SpecError(f"a Kareus plan cannot run this CP layer "
                             f"({'; '.join(problems)}); supported: {CP_SUPPORTED}")
