@@ -1,6 +1,8 @@
 """`--runtime megatron` (issue 22): the fakegpu backend measures partitions with
 Megatron-Core's own modules through the Kareus layer's executor, launching the collective
-where the slot says; journaled under its own identity. On the CPU in a spawned process
+where the slot says; journaled under its own identity. With context parallelism (issue
+36): the twelve CP partitions, through `MegatronCPOps` and Kareus's CP core attention at a
+CP rank's shapes. On the CPU in a spawned process
 (Megatron's parallel state is per process); time and energy on the CPU mean nothing, the
 wiring does."""
 
@@ -28,23 +30,50 @@ JOB = build_job(overrides=dict(
 
 
 JOB_SP = build_job(overrides={**JOB.model_dump(), "sequence_parallel": True})
+JOB_CP = build_job(overrides={**JOB.model_dump(), "cp": 2, "gpus_per_node": 4})
+CP_KEYS = {"fwd_qkv_ag", "fwd_qkv_ar", "fwd_ao_ag", "fwd_ao_ar", "fwd_mlp", "bwd_mlp",
+           "bwd_o_ag", "bwd_o_ar", "bwd_a_ag", "bwd_a_rs", "bwd_qkv_ar", "bwd_qkv_rs"}
+"""The keys `kareus partitions --preset kareus-2` prints (TP x CP, all-gather CP)."""
+JOBS = {"tp": JOB, "sp": JOB_SP, "cp": JOB_CP}
 
 
-def _run_every_slot(job, res: dict) -> None:
+def _run_every_slot(job, res: dict) -> dict:
     """Every partition of ``job`` at every slot, twice: per (key, slot) the events (the
     collective's launches with the number of ops announced before them; the parameters'
-    gradients) and the ops announced."""
+    gradients; in a backward, "qkv_out" and "attn_q": the gradients of the QKV output and
+    of the core attention's query) and the ops announced; per key, what the core
+    attention saw (query and key shapes, its CP size and rank, whether the key and value
+    came gathered), returned."""
     from kareus.integrations.megatron.profiling import MegatronRuntime
 
     rt = MegatronRuntime(job, "cpu")
+    attn = rt.layer.self_attention
+    attention: dict = {}
     for key, part in Workload.build(job).partitions.partitions.items():
         for slot in [s.name for s in part.slots] + [None]:
             events: list = []
             box: list = []  # the runner, once built: where its ops stand at the launch
+            seen = attention.setdefault(key, set())
 
             def collective(events=events, box=box):
                 events.append(("COLL", len(getattr(box[0], "ops_run", []))))
 
+            def grad_event(t, name, events=events):
+                if t.requires_grad:
+                    t.register_hook(lambda g: events.append(name))
+
+            def on_qkv(_m, _args, out):
+                grad_event(out[0], "qkv_out")
+
+            def on_attention(m, args, seen=seen):
+                q, k = args[:2]
+                seen.add((tuple(q.shape), tuple(k.shape), getattr(m, "cp", 1),
+                          getattr(m, "cp_rank", 0), getattr(m, "_kv_gathered", False)))
+                grad_event(q, "attn_q")
+
+            modules = ([attn.linear_qkv.register_forward_hook(on_qkv)]
+                       if key.startswith("bwd") else [])
+            modules.append(attn.core_attention.register_forward_pre_hook(on_attention))
             runner = rt.runner(part, slot, collective)
             box.append(runner)
             if key.startswith("bwd"):
@@ -56,7 +85,10 @@ def _run_every_slot(job, res: dict) -> None:
             if key.startswith("bwd"):
                 for h in hooks:
                     h.remove()
+            for h in modules:
+                h.remove()
             res[(key, slot)] = (events, list(getattr(runner, "ops_run", [])))
+    return attention
 
 
 def _worker(_rank: int, out_dir: str) -> None:
@@ -68,8 +100,9 @@ def _worker(_rank: int, out_dir: str) -> None:
     rt = MegatronRuntime(JOB, "cpu")
     res: dict = {"params": sum(p.numel() for p in rt.layer.parameters())}
     _run_every_slot(JOB, res)
-    res["sp"] = {}
+    res["sp"], res["cp"] = {}, {}
     _run_every_slot(JOB_SP, res["sp"])
+    res["cp attention"] = _run_every_slot(JOB_CP, res["cp"])
     spec = FakeGpuSpec(runtime="megatron",
                        protocol=MeasurementProtocol(window_s=0.01, cooldown_s=0.0,
                                                     settle_s=0.0))
@@ -86,6 +119,13 @@ def _worker(_rank: int, out_dir: str) -> None:
             part = wl_sp.partitions.partitions[key]
             m = backend.measure(part, Knobs(1410, 4, part.slots[0].name))
             res["sp measured"][key] = (m.time_s, m.energy_j)
+    spec.check(JOB_CP)
+    wl_cp = Workload.build(JOB_CP)
+    with spec.open(wl_cp) as backend:
+        res["cp measured"] = {}
+        for key, part in wl_cp.partitions.partitions.items():
+            m = backend.measure(part, Knobs(1410, 4, part.slots[0].name))
+            res["cp measured"][key] = (m.time_s, m.energy_j)
     with FakeGpuSpec().open(wl) as backend:
         res["kernels identity"] = backend.identity()
     torch.save(res, os.path.join(out_dir, "res.pt"))
@@ -98,12 +138,18 @@ def measured(tmp_path_factory):
     return torch.load(out / "res.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("job", [JOB, JOB_SP], ids=["tp", "sp"])
-def test_forward_partitions_launch_before_the_slot_s_op(measured, job):
-    parts = Workload.build(job).partitions.partitions
-    measured = measured["sp"] if job.sequence_parallel else measured
+def _of(measured, kind):
+    return measured if kind == "tp" else measured[kind]
+
+
+@pytest.mark.parametrize("kind", JOBS)
+def test_forward_partitions_launch_before_the_slot_s_op(measured, kind):
+    parts = Workload.build(JOBS[kind]).partitions.partitions
+    measured = _of(measured, kind)
     for key in [k for k in parts if k.startswith("fwd")]:
-        names = [o.name for o in parts[key].compute_ops]
+        # an op that opens no slot runs inside the one before it (CP's second attention
+        # chunk: one call of the core attention computes both)
+        names = [o.name for o in parts[key].compute_ops if o.opens_slot]
         for slot in [s.name for s in parts[key].slots] + [None]:
             events, ops_run = measured[(key, slot)]
             assert ops_run[:len(names)] == names  # the pieces announce the partition's ops
@@ -117,10 +163,10 @@ def test_forward_partitions_launch_before_the_slot_s_op(measured, job):
                 assert ops_run[at - 1] == op, (key, slot, ops_run, at)
 
 
-@pytest.mark.parametrize("job", [JOB, JOB_SP], ids=["tp", "sp"])
-def test_backward_partitions_launch_once_where_the_slot_says(measured, job):
-    parts = Workload.build(job).partitions.partitions
-    measured = measured["sp"] if job.sequence_parallel else measured
+@pytest.mark.parametrize("kind", JOBS)
+def test_backward_partitions_launch_once_where_the_slot_says(measured, kind):
+    parts = Workload.build(JOBS[kind]).partitions.partitions
+    measured = _of(measured, kind)
     for key in [k for k in parts if k.startswith("bwd")]:
         for slot in [s.name for s in parts[key].slots] + [None]:
             events, _ = measured[(key, slot)]
@@ -155,10 +201,14 @@ def test_an_unknown_or_unsupported_runtime_is_one_line():
 
     with pytest.raises(SpecError, match="unknown runtime 'tvm'; available: kernels, megatron"):
         check_runtime("tvm", JOB)
-    cp = build_job(overrides={**JOB.model_dump(), "cp": 2, "gpus_per_node": 4})
-    with pytest.raises(SpecError, match="context parallelism"):
-        check_runtime("megatron", cp)
+    ring = build_job(overrides={**JOB_CP.model_dump(), "cp_comm_type": "p2p"})
+    with pytest.raises(SpecError, match="Transformer Engine's ring"):
+        check_runtime("megatron", ring)
+    cp_sp = build_job(overrides={**JOB_CP.model_dump(), "sequence_parallel": True})
+    with pytest.raises(SpecError, match="context parallelism with sequence parallelism"):
+        check_runtime("megatron", cp_sp)
     check_runtime("megatron", JOB_SP)  # sequence parallelism is measured
+    check_runtime("megatron", JOB_CP)  # and all-gather context parallelism
 
 
 def test_sequence_parallel_partitions_are_measured_with_megatron_s_modules(measured):
@@ -173,3 +223,76 @@ def test_sequence_parallel_partitions_are_measured_with_megatron_s_modules(measu
     assert sp[("fwd_mlp_rs", None)][1] == ["fc1", "swiglu", "fc2"] * 2
     for key, (time_s, energy_j) in measured["sp measured"].items():
         assert time_s > 0 and energy_j > 0, key
+
+
+def _forward_op(name: str) -> str:
+    for suffix in ("_bwd", "_dgrad", "_wgrad"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+@pytest.mark.parametrize("kind", JOBS)
+def test_backward_partitions_differentiate_their_ops(measured, kind):
+    """Each run differentiates the forward ops of the partition's compute (a residual's
+    backward is an addition of gradients, not run; CP's second attention chunk is in the
+    one core attention call)."""
+    parts = Workload.build(JOBS[kind]).partitions.partitions
+    measured = _of(measured, kind)
+    for key in [k for k in parts if k.startswith("bwd")]:
+        want = {_forward_op(o.name) for o in parts[key].compute_ops
+                if o.opens_slot and not o.name.startswith("residual")}
+        for slot in [s.name for s in parts[key].slots] + [None]:
+            _, ops_run = measured[(key, slot)]
+            half = len(ops_run) // 2
+            assert ops_run[:half] == ops_run[half:]  # the same each run
+            assert set(ops_run[:half]) == want, (key, slot, ops_run)
+
+
+def test_context_parallel_partitions_are_measured_with_kareus_cp_attention(measured):
+    """The twelve CP keys, each measured through Megatron's modules; the core attention
+    computes as CP rank 0 of 2 on its rank's queries (seq/CP = 8 tokens, 2 heads of a TP
+    rank) against the whole sequence's keys (16 tokens, 1 query group) handed to it
+    gathered: the attention work of a CP rank."""
+    cp = measured["cp"]
+    assert {k for k, _slot in cp} == CP_KEYS
+    assert set(measured["cp measured"]) == CP_KEYS
+    for key, (time_s, energy_j) in measured["cp measured"].items():
+        assert time_s > 0 and energy_j > 0, key
+    rank = ((8, 2, 2, 16), (16, 2, 1, 16), 2, 0, True)  # seq 16, CP 2, half of batch 4
+    for key, seen in measured["cp attention"].items():
+        runs_attention = key.startswith(("fwd_ao", "bwd_a_"))
+        assert seen == ({rank} if runs_attention else set()), (key, seen)
+    # the forward QKV partition: residual, norm, QKV and rotary on the rank's tokens
+    assert cp[("fwd_qkv_ag", None)][1] == ["residual_mlp", "input_norm", "qkv", "rope"] * 2
+    assert cp[("fwd_ao_ar", None)][1] == ["core_attn", "out_proj"] * 2
+
+
+def test_context_parallel_backward_slots_launch_inside_the_right_op(measured):
+    """bwd_a's attn_0: when the core attention's backward starts (before its query's
+    gradient); bwd_qkv's rope_0 before the QKV output's gradient, linear_0 after it and
+    before the QKV weight's; bwd_o's linear_0 between the MLP norm's and the output
+    projection's weight gradients."""
+    cp = measured["cp"]
+
+    def first_run(key, slot):
+        events, _ = cp[(key, slot)]
+        run = events[:len(events) // 2]
+        where = [i for i, e in enumerate(run) if isinstance(e, tuple)]
+        assert len(where) == 1, (key, slot, run)
+        return where[0], [e for e in run if not isinstance(e, tuple)], run
+
+    for key in ("bwd_a_ag", "bwd_a_rs"):
+        at, _, run = first_run(key, "attn_0")
+        assert at < run.index("attn_q"), run
+        at, _, run = first_run(key, None)
+        assert at > run.index("attn_q"), run
+    qkv_w = "self_attention.linear_qkv.weight"
+    for key in ("bwd_qkv_ar", "bwd_qkv_rs"):
+        at, _, run = first_run(key, "rope_0")
+        assert at < run.index("qkv_out") < run.index(qkv_w), run
+        at, _, run = first_run(key, "linear_0")
+        assert run.index("qkv_out") < at < run.index(qkv_w), run
+    for key in ("bwd_o_ag", "bwd_o_ar"):
+        at, _, run = first_run(key, "linear_0")
+        assert (run.index("pre_mlp_layernorm.weight") < at
+                < run.index("self_attention.linear_proj.weight")), run

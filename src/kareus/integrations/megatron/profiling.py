@@ -22,12 +22,28 @@ With sequence parallelism the norms form partitions of their own (``ln1``: the M
 residual and the input norm; ``ln2``: the attention residual and the MLP norm), run on a
 rank's part of the sequence (seq/TP tokens), and the cores (``attn``, ``mlp``) on the
 whole sequence, as `OverlappedSP` runs them (kareus.runtime.overlap_sp).
+
+With context parallelism (all-gather CP), the partitions are those of
+`kareus.runtime.overlap_cp_ops` run through `MegatronCPOps`, at the shapes of CP rank 0:
+its hidden states are its two load-balanced chunks (seq/CP tokens, with their rotary
+positions), the key and value the core attention sees the whole sequence's (seq tokens, as
+the all-gather gives them; `KareusCPCoreAttention.kv_gathered`). The load balancing gives
+every rank the same attention work, so rank 0's is every rank's. Forward: ``qkv`` (the MLP
+residual, the input norm, QKV and rotary), ``ao`` (the core attention on the gathered key
+and value, the output projection), ``mlp`` (as TP's). Backward: ``mlp`` (as TP's), ``o``
+(the MLP norm's and the output projection's backward), ``a`` (the core attention rebuilt on
+the gathered key and value and differentiated, on every run, as the executor does: the
+forward does not keep it) and ``qkv`` (rotary and QKV backward on the reduce-scattered key
+and value gradients).
+
 The collective runs on a side stream on CUDA (`kareus.gpu.partition_runner.SideStream`),
 in line on the CPU.
 
 On the CPU (fakegpu), Megatron's attention and rotary embedding need CUDA, so the layer
 uses `SDPACoreAttention` and the rotary tensor of `kareus.integrations.megatron.cpu`, and
-fp32; on GPUs Megatron's own, in bf16. Megatron needs its parallel state: where
+fp32; on GPUs Megatron's own, in bf16. Under CP the core attention is Kareus's CP one
+(`KareusCPCoreAttention`) on every device, as Megatron-Core training with Kareus's spec
+runs it. Megatron needs its parallel state: where
 torch.distributed is not initialised (one process), a one-rank gloo group is made for it.
 """
 
@@ -42,7 +58,7 @@ from kareus.errors import SpecError
 from kareus.gpu.partition_runner import SideStream
 from kareus.gpu.runtimes import Collective, Runner
 from kareus.integrations.megatron.layer import KareusTransformerLayer
-from kareus.integrations.megatron.ops import MegatronLayerOps
+from kareus.integrations.megatron.ops import MegatronCPOps, MegatronLayerOps
 from kareus.integrations.megatron.order import check_job
 from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import BACKWARD_TAPS, Taps
@@ -51,6 +67,8 @@ from kareus.workload.partition import Partition
 
 SEGMENTS = {False: ("attn", "mlp"), True: ("ln1", "attn", "ln2", "mlp")}
 """The segments partitions compute, without and with sequence parallelism."""
+CP_SEGMENTS = {"forward": ("qkv", "ao", "mlp"), "backward": ("mlp", "o", "a", "qkv")}
+"""The segments of context parallelism's partitions (kareus.runtime.overlap_cp_ops)."""
 
 
 def _megatron_state(seed: int, cuda: bool) -> None:
@@ -66,11 +84,13 @@ def _megatron_state(seed: int, cuda: bool) -> None:
 
 
 def rank_layer(job: JobSpec, device: str) -> KareusTransformerLayer:
-    """One Kareus layer with the job's per-rank shapes (TP=1, a rank's heads and FFN)."""
+    """One Kareus layer with the job's per-rank shapes (TP=1, a rank's heads and FFN);
+    under CP its core attention computes as CP rank 0 of the job's CP group."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from kareus.integrations.megatron.cp_attention import KareusCPCoreAttention
     from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
     from kareus.integrations.megatron.spec import kareus_layer_spec
 
@@ -78,7 +98,9 @@ def rank_layer(job: JobSpec, device: str) -> KareusTransformerLayer:
     _megatron_state(0, cuda)
     m, tp = job.model, job.tp
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_norm)
-    if not cuda:
+    if job.cp_partitions:
+        spec = with_core_attention(spec, KareusCPCoreAttention)
+    elif not cuda:
         spec = with_core_attention(spec, SDPACoreAttention)
     dtype = torch.bfloat16 if cuda else torch.float32
     config = TransformerConfig(
@@ -91,6 +113,12 @@ def rank_layer(job: JobSpec, device: str) -> KareusTransformerLayer:
         params_dtype=dtype, bf16=cuda, use_cpu_initialization=not cuda,
         tensor_model_parallel_size=1)
     layer = build_module(kareus_layer_spec(spec), config=config, layer_number=1)
+    if job.cp_partitions:
+        # one process has no CP group (the module sees size 1): the core attention
+        # computes as rank 0 of the job's, on the key and value the schedule hands it
+        # (only inside kv_gathered(), where the group itself is never used)
+        core = layer.self_attention.core_attention
+        core.cp, core.cp_rank = job.cp, 0
     layer.to(device)
     layer.train()
     layer._hook_submodules()
@@ -105,52 +133,87 @@ class MegatronRuntime:
     @staticmethod
     def check_job(job: JobSpec) -> None:
         check_job(job)
-        if job.cp > 1:
-            raise SpecError("the megatron runtime does not measure context parallelism's "
-                            "partitions yet; use --runtime kernels")
+        if job.cp_ring:
+            raise SpecError("the megatron runtime measures all-gather context parallelism "
+                            "(cp_comm_type allgather, Kareus's CP core attention); "
+                            "Transformer Engine's ring (p2p) does not run in one process; "
+                            "use --runtime kernels")
 
     def __init__(self, job: JobSpec, device: str) -> None:
-        check_job(job)
+        self.check_job(job)
         self.job, self.device = job, device
         self.layer = rank_layer(job, device)
         dtype = next(self.layer.parameters()).dtype
         half = max(1, job.micro_batch_size // 2)
+        self.cp = job.cp if job.cp_partitions else 1
+        # a rank's hidden states: under CP its two load-balanced chunks (seq/CP tokens)
+        tokens = job.seq_length // self.cp
         g = torch.Generator().manual_seed(0)
 
-        def new() -> Tensor:
-            return torch.randn(job.seq_length, half, job.model.hidden_size, generator=g,
-                               dtype=torch.float32).to(device=device, dtype=dtype)
+        def new(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=g, dtype=torch.float32).to(
+                device=device, dtype=dtype)
 
-        self.x, self.r, self.grad = new(), new(), new()
+        h = job.model.hidden_size
+        self.x, self.r, self.grad = new(tokens, half, h), new(tokens, half, h), new(
+            tokens, half, h)
         # under SP, the norms' and residuals' tokens: this rank's part of the sequence
-        shard = job.seq_length // job.tp if job.sequence_parallel else job.seq_length
+        shard = job.seq_length // job.tp if job.sequence_parallel else tokens
         self.xs, self.rs, self.grads = (t[:shard] for t in (self.x, self.r, self.grad))
         self.sp = job.sequence_parallel
+        from kareus.integrations.megatron.cp_attention import load_balanced
         from kareus.integrations.megatron.cpu import rotary_embedding
 
-        emb = rotary_embedding(job.model.head_dim, job.seq_length).to(device)
-        self.ops = MegatronLayerOps(self.layer, {"attention_mask": None,
-                                                 "rotary_pos_emb": emb}, half)
+        # CP rank 0's positions, as Megatron's RotaryEmbedding gives a CP rank its own
+        emb = load_balanced(rotary_embedding(job.model.head_dim, job.seq_length),
+                            self.cp, 0).to(device)
+        kwargs = {"attention_mask": None, "rotary_pos_emb": emb}
+        self.ops: MegatronLayerOps
+        if self.cp == 1:
+            self.ops = MegatronLayerOps(self.layer, kwargs, half)
+            return
+        self.ops = cp_ops = MegatronCPOps(self.layer, kwargs, half)
+        with torch.no_grad():  # this rank's query, key and value at their shapes
+            q, k, v = cp_ops.qkv_partial(cp_ops.attn_norm(self.x), no_slot, {})
+        self.q = q.detach()
+        # the key and value as the all-gather gives them (one tensor: the executor
+        # gathers both in one collective), the whole sequence's
+        self.kv_full = torch.cat([new(job.seq_length, *k.shape[1:]),
+                                  new(job.seq_length, *v.shape[1:])], dim=-1)
+        self.dq = new(*q.shape)
+        self.do = new(*q.flatten(2).shape)  # the core attention output's gradient
+        # this rank's key and value gradients, as the reduce-scatter gives them
+        self.dkv = torch.cat([new(*k.shape), new(*v.shape)], dim=-1)
 
     def runner(self, partition: Partition, slot: str | None, collective: Collective
                ) -> Runner:
         index = partition.launch_index(slot)
         launch_op = (partition.compute_ops[index].name
                      if index < len(partition.compute_ops) else None)
-        segments = SEGMENTS[self.sp]
+        if self.cp > 1:
+            segments = CP_SEGMENTS[partition.direction]
+            segment = f"cp_{partition.segment}" if partition.segment != "mlp" else "tp_mlp"
+        else:
+            segments = SEGMENTS[self.sp]
+            segment = partition.segment if self.sp else f"tp_{partition.segment}"
         if partition.segment not in segments:
             raise ValueError(f"the megatron runtime runs partitions of the segments "
                              f"{', '.join(segments)}, not {partition.key}")
         side = SideStream(collective, self.device)
-        segment = partition.segment if self.sp else f"tp_{partition.segment}"
         if partition.direction == "forward":
             return _ForwardRunner(self, segment, launch_op, side)
         return _BackwardRunner(self, segment, launch_op, side)
 
 
+def _unpair(kv: Tensor) -> tuple[Tensor, Tensor]:
+    """Key and value of one gathered tensor, as the CP executor splits them."""
+    k, v = kv.chunk(2, dim=-1)
+    return k, v
+
+
 class _ForwardRunner:
-    """``segment``: "tp_attn", "tp_mlp" (norm and core), or under SP "ln1", "attn",
-    "ln2", "mlp"."""
+    """``segment``: "tp_attn", "tp_mlp" (norm and core), under SP "ln1", "attn", "ln2",
+    "mlp", under CP "cp_qkv", "cp_ao", "tp_mlp"."""
 
     def __init__(self, rt: MegatronRuntime, segment: str, launch_op: str | None,
                  side: SideStream) -> None:
@@ -168,14 +231,20 @@ class _ForwardRunner:
         taps: Taps = {}
         seg = self.segment
         with torch.no_grad():
-            if seg in ("tp_attn", "ln1"):
-                x, r = (rt.x, rt.r) if seg == "tp_attn" else (rt.xs, rt.rs)
+            if seg in ("tp_attn", "ln1", "cp_qkv"):
+                x, r = (rt.xs, rt.rs) if seg == "ln1" else (rt.x, rt.r)
                 self._before("residual_mlp")
                 x = ops.mlp_residual(x, r)
                 self._before("input_norm")
                 a = ops.attn_norm(x)
                 if seg == "tp_attn":
                     ops.attn_partial(a, self._before, taps)
+                elif seg == "cp_qkv":
+                    _cp(ops).qkv_partial(a, self._before, taps)
+            elif seg == "cp_ao":  # this rank's query, the gathered key and value
+                cp = _cp(ops)
+                o = cp.attention(rt.q, *_unpair(rt.kv_full), self._before, {})
+                cp.proj_partial(o, self._before, taps)
             elif seg in ("tp_mlp", "ln2"):
                 x, r = (rt.x, rt.r) if seg == "tp_mlp" else (rt.xs, rt.rs)
                 self._before("residual_attn")
@@ -196,8 +265,14 @@ class _ForwardRunner:
         self.side.synchronize()
 
 
+def _cp(ops: MegatronLayerOps) -> MegatronCPOps:
+    assert isinstance(ops, MegatronCPOps)
+    return ops
+
+
 class _BackwardRunner:
-    """The partition's pieces built once with grad; each run differentiates them again."""
+    """The partition's pieces built once with grad; each run differentiates them again
+    (CP's ``a``: the core attention is rebuilt on every run, as the executor rebuilds it)."""
 
     def __init__(self, rt: MegatronRuntime, segment: str, launch_op: str | None,
                  side: SideStream) -> None:
@@ -205,32 +280,49 @@ class _BackwardRunner:
         ops = rt.ops
         self.params = [p for p in rt.layer.parameters() if p.requires_grad]
         self.launched = False
-        tap = BACKWARD_TAPS.get(launch_op or "")
+        self.tap = BACKWARD_TAPS.get(launch_op or "")
         self.norm: tuple[Tensor, Tensor] | None = None
-        self.core: tuple[Tensor, Tensor] | None = None
+        self.core: tuple[Tensor, Tensor | tuple[Tensor, ...]] | None = None
+        self.ops_run: list[str] = []
+        """The forward ops whose backward each run differentiates: the norm's, then the
+        ops the core's pieces announce (for checking)."""
+        self._ops: list[str] = []
+        built = self._ops.append
         taps: Taps = {}
         with torch.enable_grad():
             if segment in ("tp_mlp", "ln1"):  # the (next layer's) input-norm backward
                 r = rt.r if segment == "tp_mlp" else rt.rs
                 x = r.detach().requires_grad_(True)
                 self.norm = (x, ops.attn_norm(x))
-            elif segment in ("tp_attn", "ln2"):  # the MLP norm's backward
-                x = rt.x if segment == "tp_attn" else rt.xs
+                built("input_norm")
+            elif segment in ("tp_attn", "ln2", "cp_o"):  # the MLP norm's backward
+                x = rt.x if segment != "ln2" else rt.xs
                 h = x.detach().requires_grad_(True)
                 self.norm = (h, ops.mlp_norm(h))
+                built("pre_mlp_norm")
             if segment in ("tp_mlp", "mlp"):
                 bn = (ops.mlp_norm(rt.x) if segment == "tp_mlp" else rt.x)
                 bn = bn.detach().requires_grad_(True)
-                self.core = (bn, ops.mlp_partial(bn, no_slot, taps))
+                self.core = (bn, ops.mlp_partial(bn, built, taps))
             elif segment in ("tp_attn", "attn"):
                 a = ops.attn_norm(rt.r) if segment == "tp_attn" else rt.x
                 a = a.detach().requires_grad_(True)
-                self.core = (a, ops.attn_partial(a, no_slot, taps))
-        self.hooked = tap is not None and tap in taps
-        if self.hooked:
-            tapped = taps[str(tap)]
-            for t in tapped if isinstance(tapped, tuple) else (tapped,):
-                t.register_hook(self._on_gradient)
+                self.core = (a, ops.attn_partial(a, built, taps))
+            elif segment == "cp_o":  # the output projection's backward
+                o = rt.q.flatten(2).detach().requires_grad_(True)
+                self.core = (o, _cp(ops).proj_partial(o, built, taps))
+            elif segment == "cp_qkv":  # rotary and QKV backward
+                a = ops.attn_norm(rt.r).detach().requires_grad_(True)
+                self.core = (a, _cp(ops).qkv_partial(a, built, taps))
+        # CP's a': its tap is on the attention rebuilt at every run
+        self.hooked = self.tap is not None and (self.tap in taps or segment == "cp_a")
+        if self.hooked and segment != "cp_a":
+            self._hook(taps)
+
+    def _hook(self, taps: Taps) -> None:
+        tapped = taps[str(self.tap)]
+        for t in tapped if isinstance(tapped, tuple) else (tapped,):
+            t.register_hook(self._on_gradient)
 
     def _on_gradient(self, grad: Tensor) -> None:
         self._launch()
@@ -242,20 +334,41 @@ class _BackwardRunner:
 
     def run(self) -> None:
         self.launched = False
+        rt = self.rt
+        self.ops_run.extend(self._ops)
         if self.launch_op is not None and not self.hooked:  # a norm slot: at the start
             self._launch()
         if self.norm is not None:  # the norm backward the partition starts with
             x, normed = self.norm
-            grad = self.rt.grad if x.shape == self.rt.grad.shape else self.rt.grads
+            grad = rt.grad if x.shape == rt.grad.shape else rt.grads
             torch.autograd.grad(normed, [x, *self.params], grad, retain_graph=True,
                                 allow_unused=True)
         if self.core is not None:
             core_in, core_out = self.core
-            torch.autograd.grad(core_out, [core_in, *self.params], self.rt.grad,
+            grad_out: Tensor | tuple[Tensor, ...] = rt.grad
+            if self.segment == "cp_qkv":  # the reduce-scattered key and value gradients
+                dk, dv = _unpair(rt.dkv)
+                grad_out = (rt.dq, dk.contiguous(), dv.contiguous())
+            torch.autograd.grad(core_out, [core_in, *self.params], grad_out,
                                 retain_graph=True, allow_unused=True)
+        if self.segment == "cp_a":
+            self._attention_backward()
         self._launch()  # slot "none", or a tap this run did not reach: at the end
         self.side.join()
 
+    def _attention_backward(self) -> None:
+        """CP's a': the core attention rebuilt on the gathered key and value and
+        differentiated -> d(query) and d(key, value) of the whole sequence."""
+        rt = self.rt
+        with torch.enable_grad():
+            q = rt.q.detach().requires_grad_(True)
+            k, v = (t.detach().requires_grad_(True) for t in _unpair(rt.kv_full))
+            taps: Taps = {}
+            o = _cp(rt.ops).attention(q, k, v, self.ops_run.append, taps)
+            if self.hooked:
+                self._hook(taps)
+            _dq, dk, dv = torch.autograd.grad(o, [q, k, v], rt.do)
+        torch.cat([dk, dv], dim=-1)  # one tensor for the reduce-scatter, as the executor
+
     def synchronize(self) -> None:
         self.side.synchronize()
-
