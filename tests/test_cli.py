@@ -51,6 +51,23 @@ def test_tables_render(cli):
         assert r.out.strip()
 
 
+def test_p2p_cp_partitions_and_graph_say_the_ring_is_inside_the_attention(cli):
+    r = cli("partitions", "-p", "kareus-2", "--cp-comm-type", "p2p")
+    assert r.code == 0, r.err
+    assert "CP2 (p2p: ring inside the attention op)" in r.out
+    assert "not a Kareus partition" in r.out
+    doc = cli("partitions", "-p", "kareus-2", "--cp-comm-type", "p2p", "--json").json()
+    assert [p["key"] for p in doc["partitions"]] == ["fwd_attn", "fwd_mlp", "bwd_mlp",
+                                                     "bwd_attn"]
+    assert doc["cp_communication"]["in_partitions"] is False
+    g = cli("graph", "-p", "kareus-2", "--cp-comm-type", "p2p")
+    assert g.code == 0, g.err
+    assert "cp2 ring: 2 steps" in g.out and "kv_ag" not in g.out
+    ops = cli("graph", "-p", "kareus-2", "--cp-comm-type", "p2p", "--json").json()["layer"]
+    attn = [op for op in ops["forward"] if op["kind"] == "attention"]
+    assert len(attn) == 1 and len(attn[0]["ring_step_bytes"]) == 2
+
+
 def test_config_file_and_flags(cli, tmp_path):
     f = tmp_path / "job.yaml"
     f.write_text("preset: kareus-2\nnum_microbatches: 4\n")
@@ -73,6 +90,8 @@ def test_config_file_and_flags(cli, tmp_path):
         ["--preset", "kareus-1", "--gpu", "V100"],
         ["--preset", "kareus-1", "--freqs", "1411"],
         ["--preset", "kareus-1", "--tp", "eight"],
+        ["--preset", "kareus-2", "--cp-comm-type", "a2a"],
+        ["--preset", "kareus-2", "--cp-comm-type", "a2a+p2p"],
         ["--config", "/nonexistent/job.yaml"],
         ["--model", "/nonexistent/config.json"],
         [],
@@ -98,6 +117,7 @@ job_args = st.fixed_dictionaries(
         "--model": st.sampled_from([*MODEL_PRESETS, "unknown-model"]),
         "--tp": st.integers(-2, 40),
         "--cp": st.integers(-1, 9),
+        "--cp-comm-type": st.sampled_from(["allgather", "p2p", "a2a", "a2a+p2p", "ring"]),
         "--pp": st.integers(-1, 90),
         "--dp": st.integers(-1, 64),
         "--mbs": st.integers(-2, 33),

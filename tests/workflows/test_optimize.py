@@ -5,6 +5,7 @@ import pytest
 from kareus.job.sources import build_job
 from kareus.plans.plan import DEADLINE_TOLERANCE_S
 from kareus.search import SearchConfig
+from kareus.store import job_id
 from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
 from tests.conftest import run_cli
@@ -179,3 +180,22 @@ def test_optimize_refuses_when_no_method_asked_for_can_run(tmp_path):
         prepare_optimize(job, str(tmp_path / "r"), SearchConfig(budget=20),
                          methods=("kareus",))
     assert not (tmp_path / "r").exists()
+
+
+def test_optimize_a_p2p_cp_job_end_to_end(tmp_path):
+    """p2p CP (Transformer Engine's ring inside the attention op): the TP-only partitions
+    are searched, the result keeps the job's cp_comm_type and reads back."""
+    out = tmp_path / "r"
+    r = run_cli("optimize", "-p", "kareus-2", "--cp-comm-type", "p2p", "--microbatches", "4",
+                "--freqs", "1410,1200", "--budget", "20", "--workers", "1", "--out", str(out),
+                "--json")
+    assert r.code == 0, r.err
+    doc = json.loads((out / "result.json").read_text())
+    assert doc["job"]["cp_comm_type"] == "p2p" and doc["job"]["cp"] == 2
+    assert {s["partition"] for s in doc["searches"]} == {"fwd_attn", "fwd_mlp", "bwd_mlp",
+                                                         "bwd_attn"}
+    same_allgather = build_job("kareus-2", overrides={"num_microbatches": 4,
+                                                      "search_freqs_mhz": (1410, 1200)})
+    assert doc["job_id"] != job_id(same_allgather)  # its own journal entries
+    shown = run_cli("plan", "--result", str(out), "--min-energy")
+    assert shown.code == 0, shown.err

@@ -14,6 +14,7 @@ from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS
 from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph
+from kareus.workload.layer import cp_communication
 from kareus.workload.memory import check_fits
 from kareus.workload.ops import Collective
 from kareus.workload.workload import Workload
@@ -32,9 +33,12 @@ def _mib(x: float) -> str:
 def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     """List the job's partitions: keys, collectives, launch slots and knob spaces."""
     ps = Workload.build(job).partitions
+    cp_note = cp_communication(job)  # p2p CP: its traffic is inside the attention op
     if json_out:
-        print_json(ps.to_dict())
+        print_json({**ps.to_dict(), **({"cp_communication": cp_note} if cp_note else {})})
         return
+    if cp_note is not None:
+        console.print(cp_note["note"], soft_wrap=True, markup=False, highlight=False)
     if not ps.partitions:
         console.print(ps.none_reason, soft_wrap=True, markup=False, highlight=False)
         return
@@ -120,6 +124,9 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
         for op in ops:
             if isinstance(op, Collective):
                 extra = f"{op.group}{op.group_size}"
+            elif op.ring_step_bytes:  # p2p CP: the ring inside the attention op
+                extra = (f"cp{job.cp} ring: {len(op.ring_step_bytes)} steps, "
+                         f"{_mib(sum(op.ring_step_bytes))} MiB sent")
             else:
                 extra = " + ".join("x".join(map(str, s)) for s in op.gemm_shapes)
             table.add_row(op.name, op.kind, _gflop(op.flops), _mib(op.bytes_), extra)

@@ -27,6 +27,10 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
      "model"),
     ("tp", Annotated[Optional[int], _opt("--tp", help="Tensor-parallel size.")], "tp"),
     ("cp", Annotated[Optional[int], _opt("--cp", help="Context-parallel size.")], "cp"),
+    ("cp_comm_type", Annotated[Optional[str], _opt(
+        "--cp-comm-type", help="How CP communicates (Megatron-LM's --cp-comm-type): allgather "
+        "(Kareus's CP partitions, the default) or p2p (Transformer Engine's ring inside the "
+        "attention op).")], "cp_comm_type"),
     ("pp", Annotated[Optional[int], _opt("--pp", help="Pipeline-parallel size.")], "pp"),
     ("vp", Annotated[Optional[int], _opt(
         "--vp", help="Model chunks per pipeline rank: interleaved 1F1B when > 1 (Megatron's "

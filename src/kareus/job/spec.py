@@ -8,9 +8,9 @@ checked here, with a message that says what to change.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kareus.errors import SpecError
 from kareus.job.hardware import GPUSpec, get_gpu
@@ -54,6 +54,12 @@ x 2): 16 stages x 8,192 microbatches. Simulating one iteration of this size take
 and ~0.5 GB here; the work and memory grow linearly beyond it."""
 MAX_KNOB_CHOICES = 256
 """Entries of a list of SM counts or clocks: GPUs have ~100-150 SMs and ~100 clocks."""
+
+CpCommType = Literal["allgather", "p2p"]
+CP_COMM_TYPES: tuple[str, ...] = ("allgather", "p2p")
+"""Megatron-LM's ``--cp-comm-type`` values Kareus models (docs/workload.md): ``allgather``
+(Kareus's CP partitions; Megatron-Core and TE write ``all_gather``, accepted) and ``p2p``
+(Megatron-LM's default: Transformer Engine's ring inside the attention op). Not ``a2a``."""
 
 
 class ModelSpec(BaseModel):
@@ -102,8 +108,11 @@ class JobSpec(BaseModel):
 
     model: ModelSpec
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel size")
-    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE,
-                    description="context-parallel size (all-gather mode)")
+    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="context-parallel size")
+    cp_comm_type: CpCommType = Field(
+        "allgather", description="how CP communicates (Megatron-LM's --cp-comm-type): "
+        "'allgather' (Kareus's CP partitions) or 'p2p' (Transformer Engine's ring inside the "
+        "attention op); normalised to 'allgather' when cp = 1 (no CP traffic either way)")
     pp: int = Field(1, ge=1, le=MAX_LAYERS, description="pipeline-parallel size")
     virtual_pipeline: int = Field(
         1, ge=1, le=MAX_LAYERS, description="model chunks per pipeline rank: interleaved "
@@ -131,9 +140,23 @@ class JobSpec(BaseModel):
                                                        max_length=MAX_KNOB_CHOICES)
     search_freqs_mhz: tuple[int, ...] | None = Field(None, max_length=MAX_KNOB_CHOICES)
 
+    @field_validator("cp_comm_type", mode="before")
+    @classmethod
+    def _known_cp_comm_type(cls, value: Any) -> Any:
+        if value == "all_gather":  # Megatron-Core's TransformerConfig and TE spell it so
+            return "allgather"
+        if value not in CP_COMM_TYPES:  # one line naming the two Kareus models
+            raise ValueError(
+                f"{value!r} is not supported; Kareus models 'allgather' (its CP partitions) "
+                f"and 'p2p' (Transformer Engine's ring inside the attention op)")
+        return value
+
     @model_validator(mode="after")
     def _check_job(self) -> JobSpec:
         m = self.model
+        if self.cp == 1 and self.cp_comm_type != "allgather":
+            # no CP traffic at cp = 1: one job, one identity (`kareus.store.job_id`)
+            object.__setattr__(self, "cp_comm_type", "allgather")
         gpu = get_gpu(self.gpu)  # raises for unknown names, listing the known ones
         if gpu.name != self.gpu:
             object.__setattr__(self, "gpu", gpu.name)
@@ -286,6 +309,17 @@ class JobSpec(BaseModel):
         return self.micro_batch_size // 2
 
     @property
+    def cp_ring(self) -> bool:
+        """CP runs as Transformer Engine's ring inside the attention op (``cp_comm_type``
+        p2p, cp > 1): no CP collective in the graph, the TP-only partition keys."""
+        return self.cp > 1 and self.cp_comm_type == "p2p"
+
+    @property
+    def cp_partitions(self) -> bool:
+        """CP's K/V all-gather and dK/dV reduce-scatter are the CP partitions' collectives."""
+        return self.cp > 1 and self.cp_comm_type == "allgather"
+
+    @property
     def local_seq_length(self) -> int:
         """Tokens of one sequence held by one CP rank."""
         return self.seq_length // self.cp
@@ -314,7 +348,8 @@ class JobSpec(BaseModel):
         m = self.model
         parts = [f"{m.name}", f"TP{self.tp}"]
         if self.cp > 1:
-            parts.append(f"CP{self.cp}")
+            parts.append(f"CP{self.cp}" if not self.cp_ring
+                         else f"CP{self.cp} (p2p: ring inside the attention op)")
         parts.append(f"PP{self.pp}")
         if self.virtual_pipeline > 1:
             parts.append(f"VP{self.virtual_pipeline}")

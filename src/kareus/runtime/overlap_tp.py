@@ -41,7 +41,8 @@ from kareus.runtime.pieces import (
 )
 from kareus.runtime.primitives import world_size
 
-__all__ = ["Before", "OverlappedTP", "TPLayerOps", "no_slot"]
+__all__ = ["Before", "OverlappedTP", "TPLayerOps", "input_norm_backward", "mlp_backward",
+           "no_slot", "sum_partial_grads"]
 
 class OverlappedTP(torch.autograd.Function):
     """``OverlappedTP.apply(x, ops, plan, keep_graphs, *params)``: the layer's output;
@@ -68,12 +69,12 @@ class OverlappedTP(torch.autograd.Function):
         grads = Grads(ctx.params)
         dys = tuple(half.contiguous() for half in dy.chunk(2, dim=ctx.dim))
         dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads, dys, ctx.dim)
-        _sum_partial_grads(ctx.ops, grads)
+        sum_partial_grads(ctx.ops, grads)
         ctx.nbs = None  # the graphs go with the pass
         return (dx, None, None, None, *grads.sums)
 
 
-def _sum_partial_grads(ops: TPLayerOps, grads: Grads) -> None:
+def sum_partial_grads(ops: TPLayerOps, grads: Grads) -> None:
     """Sums over the TP group the parameter gradients the pieces leave partial: the ops'
     ``partial_grad_params`` (none by default), the weights of a norm fused into a
     column-parallel linear (Transformer Engine's `LayerNormLinear`), whose backward gets this
@@ -144,10 +145,10 @@ def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
     nb0, nb1 = nbs
     mlp_launch, attn_launch = plan.launch_op("bwd_mlp"), plan.launch_op("bwd_attn")
     # B0: nb0.mlp' (solo)
-    db0, dh0 = _mlp_backward(nb0, dys[0], grads, None, None)
+    db0, dh0 = mlp_backward(nb0, dys[0], grads, None, None)
     c0 = collective(db0, "bwd_mlp")
     # B1: nb1.mlp' + AR(db0)
-    db1, dh1 = _mlp_backward(nb1, dys[1], grads, c0, mlp_launch)
+    db1, dh1 = mlp_backward(nb1, dys[1], grads, c0, mlp_launch)
     issue_at_end(c0)
     db0_full = c0.wait()
     c1 = collective(db1, "bwd_attn")
@@ -161,11 +162,11 @@ def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
     issue_at_end(c2)
     da0_full = c2.wait()
     da1_full = collective(da1, "bwd_attn").wait()  # exposed
-    return torch.cat([_input_norm_backward(nb0, dx0, da0_full, grads),
-                      _input_norm_backward(nb1, dx1, da1_full, grads)], dim=dim)
+    return torch.cat([input_norm_backward(nb0, dx0, da0_full, grads),
+                      input_norm_backward(nb1, dx1, da1_full, grads)], dim=dim)
 
 
-def _mlp_backward(nb: Nanobatch, dy: Tensor, grads: Grads, pending: Pending | None,
+def mlp_backward(nb: Nanobatch, dy: Tensor, grads: Grads, pending: Pending | None,
                   launch: str | None) -> tuple[Tensor, Tensor]:
     """nbX.mlp': the MLP residual and core backward -> partial d(MLP norm output) and the
     residual's d(h)."""
@@ -192,7 +193,7 @@ def _attn_backward(nb: Nanobatch, dh_res: Tensor, db_full: Tensor, grads: Grads,
     return dx, da
 
 
-def _input_norm_backward(nb: Nanobatch, dx_res: Tensor, da_full: Tensor, grads: Grads
+def input_norm_backward(nb: Nanobatch, dx_res: Tensor, da_full: Tensor, grads: Grads
                          ) -> Tensor:
     gx, = grads(nb.pieces["attn_norm"], da_full)
     return dx_res + gx

@@ -92,11 +92,11 @@ PIECES = ("attn_norm", "attn_core", "attn_res", "mlp_norm", "mlp_core", "mlp_res
 
 @dataclass
 class Piece:
-    """One piece of one nanobatch: its leaf inputs and output (a graph when built with
+    """One piece of one nanobatch: its leaf inputs and output(s) (a graph when built with
     grad enabled) and its tapped intermediates."""
 
     inputs: list[Tensor]
-    output: Tensor
+    output: Tensor | tuple[Tensor, ...]
     taps: Taps = field(default_factory=dict)
 
 
@@ -207,8 +207,9 @@ class Grads:
         self.params = list(params)
         self.sums: list[Tensor | None] = [None] * len(self.params)
 
-    def __call__(self, piece: Piece, grad: Tensor) -> list[Tensor]:
-        """The gradients of the piece's inputs; its parameters' are added to the sums."""
+    def __call__(self, piece: Piece, grad: Tensor | tuple[Tensor, ...]) -> list[Tensor]:
+        """The gradients of the piece's inputs (``grad``: of its output, or one per output);
+        its parameters' are added to the sums."""
         wanted = [*piece.inputs, *(p for p in self.params if p.requires_grad)]
         got = torch.autograd.grad(piece.output, wanted, grad, allow_unused=True)
         n = len(piece.inputs)

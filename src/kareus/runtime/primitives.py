@@ -60,22 +60,24 @@ class ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-def gather_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """All-gather along the sequence (dim 1) across the CP group."""
+def gather_seq(t: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """All-gather along the sequence (``dim``: 1 for [b, s, ...], 0 for Megatron's
+    [s, b, ...]) across the group, rank-major."""
     parts = [torch.empty_like(t) for _ in range(world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=dim)
 
 
-def scatter_seq_sum(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """Reduce-scatter along the sequence: each rank gets the sum of its chunk (gloo has
-    no reduce-scatter: there, an all-reduce and this rank's slice, the same numbers)."""
+def scatter_seq_sum(t: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Reduce-scatter along the sequence (``dim``): each rank gets the sum of its chunk
+    (gloo has no reduce-scatter: there, an all-reduce and this rank's slice, the same
+    numbers)."""
     n = world_size(group)
     if dist.get_backend(group) == "gloo":
         full = t.contiguous().clone()
         dist.all_reduce(full, group=group)
-        return full.chunk(n, dim=1)[rank_in(group)].contiguous()
-    chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
+        return full.chunk(n, dim=dim)[rank_in(group)].contiguous()
+    chunks = [c.contiguous() for c in t.chunk(n, dim=dim)]
     out = torch.empty_like(chunks[0])
     dist.reduce_scatter(out, chunks, group=group)
     return out
@@ -83,16 +85,18 @@ def scatter_seq_sum(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 class GatherSeq(torch.autograd.Function):
     """Gather along the sequence forward; reduce-scatter the gradient backward (CP
-    all-gather mode: K and V; sequence parallelism: a norm's output, on the TP group)."""
+    all-gather mode: K and V; sequence parallelism: a norm's output, on the TP group).
+    ``apply(t, group)`` along dim 1; ``apply(t, group, dim)`` along ``dim``."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return gather_seq(t, group)
+    def forward(ctx: Any, t: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return gather_seq(t, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return scatter_seq_sum(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # one None per optional input too: autograd drops the trailing ones not given
+        return scatter_seq_sum(g, ctx.group, ctx.dim), None, None
 
 
 class ScatterSeqSum(torch.autograd.Function):

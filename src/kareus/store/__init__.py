@@ -49,11 +49,14 @@ _NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stor
 
 def job_id(job: JobSpec) -> str:
     """A stable identity of the job: hash of its canonical JSON (without
-    ``virtual_pipeline`` when it is 1, so that jobs journaled before the field existed
-    keep their id)."""
+    ``virtual_pipeline`` when it is 1 nor ``cp_comm_type`` when it is ``allgather``, so
+    that jobs journaled before those fields existed keep their id; a ``p2p`` job's id
+    differs, and so do its measurements)."""
     doc = job.model_dump(mode="json")
     if doc.get("virtual_pipeline") == 1:
         del doc["virtual_pipeline"]
+    if doc.get("cp_comm_type") == "allgather":
+        del doc["cp_comm_type"]
     text = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

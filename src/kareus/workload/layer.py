@@ -2,7 +2,8 @@
 
 The layer is laid out as Megatron-Core with TransformerEngine runs it (docs/anchors.md §5):
 RMSNorm -> QKV (column parallel) -> [q/k RMSNorm] -> rotary -> [CP all-gather of K, V] ->
-causal flash attention -> output projection (row parallel) -> TP all-reduce (or, with
+causal flash attention (with p2p CP: Transformer Engine's ring, inside the op) -> output
+projection (row parallel) -> TP all-reduce (or, with
 sequence parallelism, reduce-scatter) -> residual + RMSNorm -> [SP all-gather] -> FC1
 (gate and up, column parallel) -> SwiGLU -> FC2 (row parallel) -> TP all-reduce.
 
@@ -117,6 +118,19 @@ def _cp_scatter(job: JobSpec, name: str, closes: str, sh: LayerShapes) -> Collec
     return Collective(name, "reduce_scatter", "cp", job.cp, sh.kv_shard_bytes * job.cp, closes)
 
 
+def ring_step_bytes(job: JobSpec, sh: LayerShapes, backward: bool) -> tuple[float, ...]:
+    """Bytes one rank sends in each of the ``cp`` steps of Transformer Engine's ring
+    attention (`AttnFuncWithCPAndKVP2P`, bf16), each sent while the step computes.
+    Forward: the K/V part it holds (``kv_shard_bytes``) goes on to the next rank in steps
+    0..cp-2, nothing in the last. Backward: K/V in step 0; K/V and the dK/dV partial sums
+    (same size) in steps 1..cp-2; dK/dV alone in the last step, which brings each rank's
+    sums home."""
+    kv, n = sh.kv_shard_bytes, job.cp
+    if not backward:
+        return (kv,) * (n - 1) + (0.0,)
+    return (kv,) + (2 * kv,) * (n - 2) + (kv,)
+
+
 def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
     """Causal flash attention of one rank: QK^T and PV, 2 FLOPs per MAC each.
 
@@ -136,6 +150,8 @@ def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
                           bytes_=float(2 * q + 2 * kv) * E, slot_class="attn",
                           attn_keys=sh.s_full, attn_causal=True)]
     chunk = sh.s_full // (2 * job.cp)
+    if job.cp_ring:
+        return [_ring_attention(job, sh, chunk)]
     out = []
     for i, c in enumerate((0, 2 * job.cp - 1)):
         keys = (c + 1) * chunk  # keys read: full chunks before it and its own
@@ -149,11 +165,29 @@ def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
     return out
 
 
+def _ring_attention(job: JobSpec, sh: LayerShapes, chunk: int) -> ComputeOp:
+    """p2p CP: Transformer Engine's ring attention as one op. Its FLOPs are all-gather
+    CP's (the rank's query chunks against the keys they see: 2 x CP full chunk blocks of
+    the causal score matrix, half of the diagonal ones masked). The work is the same at
+    every step of the ring: step 0 is the rank's own causal square (two half-masked
+    diagonal blocks and one full block), step i > 0 both query chunks against the first
+    K/V chunk received (i <= rank) or the second query chunk against both (i > rank): two
+    full blocks each. Each step reads one rank's K/V part (``attn_keys``: its
+    ``s_local`` keys, no causal mask but in step 0)."""
+    d, hq, hkv, n = sh.d, sh.heads, sh.kv_heads, job.cp
+    flops = 4.0 * sh.b * hq * d * chunk * chunk * (2 * n)  # 2n blocks of chunk x chunk
+    # reads q and writes o once; reads one K/V part per step
+    bytes_ = float(2 * sh.b * sh.s_local * hq * d + n * 2 * sh.b * sh.s_local * hkv * d) * E
+    return ComputeOp("core_attn", "attention", flops, bytes_, "attn",
+                     attn_keys=sh.s_local, attn_causal=False,
+                     ring_step_bytes=ring_step_bytes(job, sh, backward=False))
+
+
 def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
     """One layer's forward for one nanobatch (or ``sequences`` sequences) on one rank,
     collectives in place."""
     sh = LayerShapes(job, sequences)
-    sp, cp = job.sequence_parallel, job.cp > 1
+    sp, cp = job.sequence_parallel, job.cp_partitions  # p2p CP: no CP collective
     t, h, d = sh.tokens, sh.h, sh.d
     qk_elems = t * (sh.heads + sh.kv_heads) * d
 
@@ -194,7 +228,7 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     """One layer's backward for one nanobatch (or ``sequences`` sequences) on one rank,
     without the recomputed forward."""
     sh = LayerShapes(job, sequences)
-    sp, cp = job.sequence_parallel, job.cp > 1
+    sp, cp = job.sequence_parallel, job.cp_partitions  # p2p CP: no CP collective
     f = {op.name: op for op in (fwd or forward_ops(job, sequences)) if isinstance(op, ComputeOp)}
     # The gradient of a forward all-reduce is an all-reduce at the input of the column-parallel
     # GEMM; with SP, forward all-gather <-> backward reduce-scatter and vice versa.
@@ -226,8 +260,10 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
         # the local shard), and dK, dV are reduce-scattered back to their owners.
         ops.append(_cp_gather(job, "kv_regather", "o", sh))
     # reads q, k, v, o, dO; writes dq, dk, dv
+    ring = ring_step_bytes(job, sh, backward=True) if job.cp_ring else ()
     ops += [ComputeOp(f"{a.name}_bwd", "attention", 2.5 * a.flops, 2.0 * a.bytes_, "attn",
-                      opens_slot=a.opens_slot, attn_keys=a.attn_keys, attn_causal=a.attn_causal)
+                      opens_slot=a.opens_slot, attn_keys=a.attn_keys, attn_causal=a.attn_causal,
+                      ring_step_bytes=ring)
             for a in (op for op in f.values() if op.kind == "attention")]
     if cp:
         ops.append(_cp_scatter(job, "dkv_rs", "a", sh))
@@ -239,3 +275,19 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
         grad_in("qkv_grad_ar" if not sp else "qkv_grad_rs", "qkv" if cp else "attn"),
     ]
     return ops
+
+
+def cp_communication(job: JobSpec) -> dict | None:
+    """How the job's CP communicates and whether that traffic is in Kareus's partitions
+    (None without CP): what `kareus partitions` says."""
+    if job.cp == 1:
+        return None
+    if job.cp_ring:
+        note = (f"CP{job.cp} p2p: Transformer Engine's ring runs inside the attention op "
+                f"(core_attn, core_attn_bwd; one compute op to the plan); its K/V traffic "
+                f"is not a Kareus partition")
+    else:
+        note = (f"CP{job.cp} allgather: the K/V all-gathers and the dK/dV reduce-scatter "
+                f"are the CP partitions' collectives")
+    return {"cp": job.cp, "cp_comm_type": job.cp_comm_type,
+            "in_partitions": job.cp_partitions, "note": note}

@@ -41,6 +41,11 @@ class ComputeOp:
     plain causal attention), which sets a flash-attention kernel's efficiency."""
     attn_causal: bool = False
     """Attention only: a causal square (the score matrix's upper triangle skipped)."""
+    ring_step_bytes: tuple[float, ...] = ()
+    """Attention only, CP ring (``cp_comm_type`` p2p): one entry per step of the ring, the
+    bytes one rank sends to its neighbour (and receives) while that step computes; the
+    op's work splits evenly over the steps (0 bytes: a step with nothing in flight).
+    Empty: no communication inside the op."""
 
     def __post_init__(self) -> None:
         if self.kind == "attention" and self.attn_keys < 1:
@@ -57,6 +62,8 @@ class ComputeOp:
             d["gemm_shapes"] = [list(s) for s in self.gemm_shapes]
         if self.attn_keys:
             d["attn_keys"], d["attn_causal"] = self.attn_keys, self.attn_causal
+        if self.ring_step_bytes:
+            d["ring_step_bytes"] = list(self.ring_step_bytes)
         return d
 
 

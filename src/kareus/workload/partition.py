@@ -12,8 +12,9 @@ the instruction runs alone ("exposed").
 Keys: ``{fwd|bwd}_{segment}`` (a recomputed forward is ``fwd``), with a suffix naming the
 overlapped collective (``_ar`` all-reduce, ``_ag`` all-gather, ``_rs`` reduce-scatter)
 only when the same segment meets collectives of more than one kind. With CP=1 this gives
-``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``; with CP>1 the twelve published keys
-(segments ``qkv``/``ao``/``mlp`` forward, ``mlp``/``o``/``a``/``qkv`` backward). With
+``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp`` (also with p2p CP: its ring is inside
+the attention op); with CP>1 the twelve published keys (segments ``qkv``/``ao``/``mlp``
+forward, ``mlp``/``o``/``a``/``qkv`` backward). With
 sequence parallelism the TP collectives become all-gather/reduce-scatter and the norms form
 their own segments (``ln1``, ``ln2``), for example ``fwd_attn_ag``, ``fwd_attn_rs``,
 ``fwd_ln1_ag``; when TP and CP all-gathers meet the same segment, the suffix names the group

@@ -362,6 +362,12 @@ def test_unsupported_configurations_are_refused_in_one_line(results):
         assert te.startswith("SpecError: a Kareus plan cannot run on this layer "
                              "(linear_qkv is TELayerNormColumnParallelLinear"), te
         assert "Transformer Engine" in te and "\n" not in te
+        # CP with a core attention that gathers nothing: neither Kareus's CP attention nor
+        # Transformer Engine's ring
+        cp = res["refusals"].pop("context parallel")
+        assert cp.startswith("SpecError: a Kareus plan cannot run this CP layer (core "
+                             "attention SDPACoreAttention"), cp
+        assert "KareusCPCoreAttention" in cp and "\n" not in cp
         for what, msg in res["refusals"].items():
             assert msg.startswith("SpecError: a Kareus plan cannot run with"), (what, msg)
             assert ("supported: tensor parallelism with or without sequence parallelism"

@@ -276,7 +276,9 @@ def test_jobs_the_layer_cannot_run_are_refused_in_one_line():
     from kareus.integrations.megatron.plan import MegatronPlan
 
     base = JOB.model_dump()
-    for fields, what in (({**base, "cp": 2, "gpus_per_node": 8}, "context parallelism"),):
+    for fields, what in (({**base, "cp": 2, "tp": 2, "sequence_parallel": True,
+                           "gpus_per_node": 8},
+                          "context parallelism with sequence parallelism"),):
         job = build_job(overrides=fields)
         with pytest.raises(SpecError) as info:
             MegatronPlan(_plan(), job, 0)

@@ -182,3 +182,27 @@ def test_what_no_layer_spec_describes_is_refused_in_one_line(results):
                                         "needs Transformer Engine"), refused["te"]
     for msg in refused.values():
         assert "\n" not in msg
+
+
+def test_the_local_spec_under_context_parallelism_has_the_kareus_cp_attention():
+    """Megatron's local DotProductAttention refuses CP ("only supported by
+    TEDotProductAttention"): under CP the local spec's core attention is the Kareus one
+    (no parameters: the same checkpoint), everything else Megatron's; without CP, Megatron's.
+    (Building a CP layer from it: tests/integrations/megatron/test_cp_attention.py.)"""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from kareus.integrations.megatron.cp_attention import KareusCPCoreAttention
+    from kareus.integrations.megatron.spec import megatron_layer_spec
+
+    def attention(spec):
+        return spec.submodules.self_attention.submodules
+
+    for cp, want in ((1, DotProductAttention), (2, KareusCPCoreAttention)):
+        cfg = TransformerConfig(**COMMON, **FLAGS["llama"], context_parallel_size=cp)
+        got = megatron_layer_spec(cfg)
+        assert attention(got).core_attention is want
+        own = get_gpt_layer_local_spec(normalization="RMSNorm")
+        assert attention(got).linear_qkv is attention(own).linear_qkv
+        assert got.submodules.mlp == own.submodules.mlp

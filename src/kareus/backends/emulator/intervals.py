@@ -85,7 +85,7 @@ class Intervals:
                 contention = ph.contention_slowdown(min(coll_demand, alloc_side))
             r = ph.compute_rate(op, f, sms, alloc_main, contention)
             d_main = r.duration_s
-            power += r.sm_power_w
+            power += r.sm_power_w + r.link_power_w  # link: a CP ring inside attention
             hbm += r.hbm_bytes_s
         elif main is not None and main[0] in ("gap", "lat"):
             d_main = main[1]

@@ -168,6 +168,12 @@ class GPUPhysics:
         duration = max(t_comp * contention, t_mem, 1e-9)
         if op.kind == "gemm":  # each kernel's ramp and drain, SMs mostly idle (params.py)
             duration += self.p.gemm_fixed_s * len(op.gemm_shapes)
+        link_power = 0.0
+        if op.ring_step_bytes:  # a CP ring inside the op: steps wait for their transfers
+            work_s = duration
+            duration = self.ring_time(work_s, op.ring_step_bytes)
+            sent = sum(op.ring_step_bytes)
+            link_power = self.p.link_power_w * sent / (duration * self.intra_link)
         busy = t_comp / duration
         if op.kind == "gemm":  # prologue, epilogue and operand stalls draw less (gemm.py)
             busy *= self.gemm.plan(op.gemm_shapes, sms).tensor_busy
@@ -177,7 +183,18 @@ class GPUPhysics:
                     "memory": self.p.activity_memory}[op.kind]
         sm_power = (self.p.sm_dynamic_power_w * self.active_sms(op, sms) / self.n_sm
                     * self.sm_power_scale(f_mhz) * (self.p.sm_base_activity + activity * busy))
-        return KernelRate(duration, op.bytes_ / duration, sm_power)
+        return KernelRate(duration, op.bytes_ / duration, sm_power, link_power)
+
+    def ring_time(self, work_s: float, step_bytes: tuple[float, ...]) -> float:
+        """Transformer Engine's ring attention (p2p CP, docs/workload.md): ``work_s`` of
+        attention split evenly over the ring's steps, each step taking the longer of its
+        share of the work and its transfer to the next CP rank, which runs beside it
+        (``p2p_latency_s`` plus the bytes at the link's bandwidth). CP ranks share a node
+        (`JobSpec` keeps TP x CP inside one), so the link is NVLink's. The SMs NCCL's
+        send/recv take from the attention are not modelled."""
+        step_s = work_s / len(step_bytes)
+        return sum(max(step_s, self.p.p2p_latency_s + b / self.intra_link) if b > 0
+                   else step_s for b in step_bytes)
 
     def compute_hbm_demand(self, op: ComputeOp, f_mhz: float, sms: int) -> float:
         return self.compute_rate(op, f_mhz, sms, self.hbm_bw).hbm_bytes_s

@@ -36,12 +36,21 @@ Megatron's full recompute (`recompute_granularity="full"`) re-runs the layer's f
 before its backward; that re-run keeps the pieces' graphs and the backward uses them, so
 nothing is computed or communicated a third time (kareus.runtime.pieces).
 
+With context parallelism and Kareus's CP core attention
+(kareus.integrations.megatron.cp_attention), the forward is
+`kareus.runtime.overlap_cp_ops.OverlappedCPOps` over `MegatronCPOps`
+(kareus.integrations.megatron.ops): the key and value all-gathered over the CP group and
+their gradients reduce-scattered are the CP partitions' collectives. Transformer Engine's
+own CP attention (its ring, ``cp_comm_type="p2p"``) is left whole: one compute op to the
+plan, whose partitions are then the TP ones.
+
 Supported with a plan: tensor parallelism with or without sequence parallelism on
 Megatron's local modules (`get_gpt_layer_local_spec`) or Transformer Engine's
 (kareus.integrations.megatron.te: under SP the schedule gathers the pre-norm input of TE's
-fused norm; not run on a GPU yet), dense MLP, self-attention, no or full recompute, in
-training. Anything else is refused in one line (`check_config`); without a plan the layer is
-exactly Megatron's, whatever the configuration.
+fused norm; not run on a GPU yet), context parallelism as above, dense MLP,
+self-attention, no or full recompute, in training. Anything else is refused in one line
+(`check_config`); without a plan the layer is exactly Megatron's, whatever the
+configuration.
 """
 
 from __future__ import annotations
@@ -57,8 +66,17 @@ from torch import Tensor
 
 from kareus.errors import SpecError
 from kareus.integrations.megatron import te
+from kareus.integrations.megatron.ops import (
+    CP_SUPPORTED,
+    MegatronCPOps,
+    MegatronLayerOps,
+    check_cp_attention,
+    cp_size,
+    runs_cp_partitions,
+)
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
+from kareus.runtime.overlap_cp_ops import OverlappedCPOps
 from kareus.runtime.overlap_sp import OverlappedSP
 from kareus.runtime.overlap_tp import Before, OverlappedTP
 
@@ -70,14 +88,12 @@ packed sequences, fused-RoPE inference inputs): refused when set."""
 
 SUPPORTED = ("tensor parallelism with or without sequence parallelism on Megatron-Core's "
              "local modules (get_gpt_layer_local_spec) or Transformer Engine's, "
-             "a dense MLP, no or full recompute")
+             f"{CP_SUPPORTED}, a dense MLP, no or full recompute")
 
 
 def check_config(config: Any) -> None:
     """One line naming what is supported, for a configuration a plan cannot run on."""
     problems = []
-    if (getattr(config, "context_parallel_size", 1) or 1) > 1:
-        problems.append("context parallelism")
     if getattr(config, "num_moe_experts", None):
         problems.append("mixture-of-experts MLPs")
     if getattr(config, "recompute_granularity", None) not in (None, "full"):
@@ -124,6 +140,9 @@ class KareusTransformerLayer(TransformerLayer):
         self.kareus_groups_by_sms: GroupsBySms | None = None
         """The process group for a number of SMs (NCCL min_ctas = max_ctas); None: the
         layer's own TP group for every collective (gloo, or NCCL's own choice)."""
+        self.kareus_cp_groups_by_sms: GroupsBySms | None = None
+        """The same for the context-parallel group (the CP schedule's all-gathers and
+        reduce-scatters)."""
         self._kareus_call: _Call | None = None
         self._kareus_hooked = False
         if self.config.sequence_parallel:
@@ -149,10 +168,15 @@ class KareusTransformerLayer(TransformerLayer):
             if kwargs.get(name) is not None:
                 raise SpecError(f"a Kareus plan cannot run a layer called with {name}; "
                                 f"supported: {SUPPORTED}")
-        ops = MegatronLayerOps(self, kwargs, hidden_states.shape[1])
         params = [p for p in self.parameters() if p.requires_grad]
-        schedule = OverlappedSP if sequence_parallel(self) else OverlappedTP
-        out = schedule.apply(hidden_states, ops, plan, torch.is_grad_enabled(), *params)
+        batch = hidden_states.shape[1]
+        if runs_cp_partitions(self):
+            out = OverlappedCPOps.apply(hidden_states, MegatronCPOps(self, kwargs, batch),
+                                        plan, torch.is_grad_enabled(), *params)
+        else:
+            schedule = OverlappedSP if sequence_parallel(self) else OverlappedTP
+            out = schedule.apply(hidden_states, MegatronLayerOps(self, kwargs, batch), plan,
+                                 torch.is_grad_enabled(), *params)
         return out, kwargs.get("context")
 
     # Hooks on Megatron's submodules --------------------------------------------------------
@@ -164,6 +188,8 @@ class KareusTransformerLayer(TransformerLayer):
         self._kareus_te = te.adapter(self)  # KAREUS-TE: None on Megatron's local modules
         if self._kareus_te is None:
             check_modules(self)
+        if cp_size(self) > 1:
+            check_cp_attention(self, te_attention=self._kareus_te is not None)
         self._kareus_hooked = True
         attn, mlp = self.self_attention, self.mlp
         self._pre(attn.linear_qkv, "qkv")
@@ -286,72 +312,3 @@ def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]
     merged = {**dict(zip(names, args)), **kwargs}
     hidden = merged.pop("hidden_states")
     return hidden, merged
-
-
-class MegatronLayerOps:
-    """`kareus.runtime.pieces.SPLayerOps` (and so `TPLayerOps`) over a
-    `KareusTransformerLayer`'s own modules, for one call of the layer (its attention
-    mask, rotary embedding, ...)."""
-
-    batch_dim = 1
-    seq_dim = 0
-    PER_SAMPLE = ("attention_mask", "attention_bias", "padding_mask")
-    """Arguments that may hold one entry per sample along their first dimension ([b, 1,
-    s, s] masks, [b, s] padding): cut to the nanobatch's half (one of size 1 is shared)."""
-
-    def __init__(self, layer: KareusTransformerLayer, kwargs: dict[str, Any],
-                 batch: int) -> None:
-        self.layer = layer
-        self.group = layer.self_attention.linear_qkv.tp_group
-        self.groups_by_sms = layer.kareus_groups_by_sms
-        self.kwargs = kwargs
-        self.batch = batch
-        self._attn_bias: Tensor | None = None
-        self._mlp_bias: Tensor | None = None
-        # KAREUS-TE: the fused norms' weights, whose gradients a piece leaves partial
-        self.partial_grad_params = (layer._kareus_te.partial_grad_params
-                                    if layer._kareus_te is not None else [])
-
-    def nanobatch(self, index: int) -> MegatronLayerOps:
-        kw = dict(self.kwargs)
-        for name in self.PER_SAMPLE:
-            v = kw.get(name)
-            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == self.batch > 1:
-                kw[name] = v.chunk(2, dim=0)[index]
-        return MegatronLayerOps(self.layer, kw, self.batch // 2)
-
-    def attn_norm(self, x: Tensor) -> Tensor:
-        return self.layer.input_layernorm(x)
-
-    def attn_partial(self, a: Tensor, before: Before, taps: Taps) -> Tensor:
-        kw = self.kwargs
-        with self.layer._kareus_piece(before, taps):
-            out, self._attn_bias = self.layer.self_attention(
-                a, attention_mask=kw.get("attention_mask"),
-                rotary_pos_emb=kw.get("rotary_pos_emb"),
-                attention_bias=kw.get("attention_bias"))
-        return out
-
-    def attn_residual(self, x: Tensor, reduced: Tensor) -> Tensor:
-        return self._bias_dropout_add(self.layer.self_attn_bda, reduced, self._attn_bias, x)
-
-    def _bias_dropout_add(self, bda_of: Any, reduced: Tensor, bias: Tensor | None,
-                          residual: Tensor) -> Tensor:
-        """residual + dropout(reduced + bias), by the layer's own bda submodule."""
-        layer = self.layer
-        bda = bda_of(layer.training, layer.config.bias_dropout_fusion)
-        with layer.bias_dropout_add_exec_handler():
-            return bda((reduced, bias), residual, layer.hidden_dropout)
-
-    def mlp_norm(self, h: Tensor) -> Tensor:
-        return self.layer.pre_mlp_layernorm(h)
-
-    def mlp_partial(self, bn: Tensor, before: Before, taps: Taps) -> Tensor:
-        extra = ({"padding_mask": self.kwargs["padding_mask"]}
-                 if self.kwargs.get("padding_mask") is not None else {})
-        with self.layer._kareus_piece(before, taps):
-            out, self._mlp_bias = self.layer.mlp(bn, **extra)
-        return out
-
-    def mlp_residual(self, h: Tensor, reduced: Tensor) -> Tensor:
-        return self._bias_dropout_add(self.layer.mlp_bda, reduced, self._mlp_bias, h)

@@ -34,6 +34,7 @@ import torch
 from kareus.core import InstructionId
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError, SpecError
+from kareus.integrations.megatron.ops import runs_cp_partitions
 from kareus.integrations.megatron.order import (
     Instruction,
     check_job,
@@ -225,6 +226,7 @@ class MegatronPlan:
                          f"the model has {len(layers)} Kareus layers (the plan's job: "
                          f"{want[stage]} on stage {stage})")
                 wrong.append(where)
+        wrong += _cp_mismatch(layer, self.job)
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
@@ -245,12 +247,14 @@ class MegatronPlan:
         cfg, m, tp = layer.config, self.job.model, self.job.tp
         want = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
                 "num_query_groups": m.num_kv_heads, "ffn_hidden_size": m.ffn_hidden_size,
-                "kv_channels": m.head_dim, "tensor_model_parallel_size": tp}
+                "kv_channels": m.head_dim, "tensor_model_parallel_size": tp,
+                "context_parallel_size": self.job.cp}
         if self.vp > 1:  # the order of Megatron's interleaved schedule depends on these
             want.update(pipeline_model_parallel_size=self.pp,
                         virtual_pipeline_model_parallel_size=self.vp,
                         microbatch_group_size_per_vp_stage=self.pp)
         got = {k: getattr(cfg, k, None) for k in want}
+        got["context_parallel_size"] = got["context_parallel_size"] or 1
         if got["num_query_groups"] is None:  # Megatron: no GQA means one group per head
             got["num_query_groups"] = got["num_attention_heads"]
         wrong = [f"{k} {got[k]} (the plan's job: {v})" for k, v in want.items()
@@ -269,6 +273,7 @@ class MegatronPlan:
         if sp != self.job.sequence_parallel:  # other collectives, other partitions
             wrong.append(f"sequence_parallel {sp} (the plan's job: "
                          f"{'' if self.job.sequence_parallel else 'no '}sequence parallelism)")
+        wrong += _cp_mismatch(layer, self.job)
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
@@ -360,6 +365,23 @@ class MegatronPlan:
                               f"{len(self.instructions)} instructions on stage {self.stage}")
         self.position = 0
         self.iterations += 1
+
+
+def _cp_mismatch(layer: Any, job: JobSpec) -> list[str]:
+    """How the layer's CP communication differs from the plan's job's: all-gather CP runs
+    Kareus's CP partitions (the layer's core attention lets the schedule gather), p2p keeps
+    Transformer Engine's ring inside the attention op (TP partitions only)."""
+    if job.cp <= 1:
+        return []
+    core = type(layer.self_attention.core_attention).__name__
+    if runs_cp_partitions(layer) and job.cp_ring:
+        return [f"core attention {core}, whose K/V collectives are Kareus partitions (the "
+                f"plan's job: cp_comm_type p2p, the ring inside the attention op)"]
+    if not runs_cp_partitions(layer) and not job.cp_ring:
+        return [f"core attention {core}, which keeps its CP communication inside (the "
+                f"plan's job: cp_comm_type allgather, Kareus's CP partitions: use "
+                f"KareusCPCoreAttention)"]
+    return []
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:

@@ -38,9 +38,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from kareus.errors import SpecError
 from kareus.gpu.partition_runner import SideStream
 from kareus.gpu.runtimes import Collective, Runner
-from kareus.integrations.megatron.layer import KareusTransformerLayer, MegatronLayerOps
+from kareus.integrations.megatron.layer import KareusTransformerLayer
+from kareus.integrations.megatron.ops import MegatronLayerOps
 from kareus.integrations.megatron.order import check_job
 from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import BACKWARD_TAPS, Taps
@@ -103,6 +105,9 @@ class MegatronRuntime:
     @staticmethod
     def check_job(job: JobSpec) -> None:
         check_job(job)
+        if job.cp > 1:
+            raise SpecError("the megatron runtime does not measure context parallelism's "
+                            "partitions yet; use --runtime kernels")
 
     def __init__(self, job: JobSpec, device: str) -> None:
         check_job(job)

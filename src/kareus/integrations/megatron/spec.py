@@ -32,6 +32,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from kareus.errors import SpecError
+from kareus.integrations.megatron.cp_attention import KareusCPCoreAttention
+from kareus.integrations.megatron.cpu import with_core_attention
 from kareus.integrations.megatron.layer import KareusTransformerLayer
 
 _NOT_ONE_SPEC = (
@@ -48,7 +50,9 @@ blocks, not from the one layer spec ``--spec`` gives: the field, and its flag.""
 def megatron_layer_spec(config: Any) -> ModuleSpec:
     """The layer spec Megatron-LM builds for ``config`` without ``--spec``: Megatron-Core's
     own spec function for ``config.transformer_impl``, with the arguments Megatron-LM's
-    builder takes from the same flags the config holds. One line naming the flag for a
+    builder takes from the same flags the config holds; with context parallelism, the local
+    spec's core attention is `KareusCPCoreAttention` (Megatron's local `DotProductAttention`
+    refuses CP; no parameters, so the checkpoint is the same). One line naming the flag for a
     configuration no single layer spec describes, or Transformer Engine's spec where
     Transformer Engine does not import."""
     for field, flag in _NOT_ONE_SPEC:
@@ -67,9 +71,13 @@ def megatron_layer_spec(config: Any) -> ModuleSpec:
                "use_kitchen_attention": bool(config.use_kitchen_attention),
                "kitchen_attention_backend": config.kitchen_attention_backend}
     if impl == "local":
-        return get_gpt_layer_local_spec(
+        spec = get_gpt_layer_local_spec(
             moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
             normalization=config.normalization, **common, **kitchen)
+        if (getattr(config, "context_parallel_size", 1) or 1) > 1:
+            # Megatron's local DotProductAttention refuses context parallelism
+            return with_core_attention(spec, KareusCPCoreAttention)
+        return spec
     if impl in ("transformer_engine", "inference_optimized"):
         if not gpt_layer_specs.HAVE_TE:
             raise SpecError(f"transformer_impl={impl!r} needs Transformer Engine, which does "

@@ -1,0 +1,226 @@
+"""The Kareus layer in Megatron-Core with context parallelism (issue 36), on the CPU over
+gloo, fp32: CP=2 (2 processes) and TP=2 x CP=2 (4 processes). Each rank runs its
+load-balanced part of the sequence through a `KareusTransformerLayer` with Kareus's CP core
+attention and a CP plan; its output and input gradient equal that part of Megatron's CP=1
+layer on the whole sequence (SDPA core attention), and its parameter gradients summed over
+the CP group equal the CP=1 layer's, for plans with different slots and SMs per CP key,
+with and without full recompute. The K/V all-gathers and dK/dV reduce-scatters are the
+schedule's (the core attention gathers nothing itself while a plan runs). CPU runs check
+numerics and wiring, never time or energy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kareus.core import PartitionSetting  # noqa: E402
+from kareus.job.sources import build_job  # noqa: E402
+from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
+from kareus.workload.workload import Workload  # noqa: E402
+
+HIDDEN, HEADS, GROUPS, FFN, SEQ, BATCH = 32, 4, 2, 64, 16, 2
+CP_KEYS = ("fwd_qkv_ag", "fwd_ao_ag", "bwd_o_ag", "bwd_a_ag", "bwd_a_rs", "bwd_qkv_rs")
+
+
+def _job(tp: int):
+    return build_job(overrides=dict(
+        model=dict(name="tiny", hidden_size=HIDDEN, num_layers=2, num_attention_heads=HEADS,
+                   num_kv_heads=GROUPS, head_dim=HIDDEN // HEADS, ffn_hidden_size=FFN,
+                   vocab_size=64),
+        tp=tp, cp=2, pp=1, micro_batch_size=BATCH, seq_length=SEQ, gpus_per_node=2 * tp,
+        nodes=1))
+
+
+def _plans(tp: int) -> dict[str, dict[str, PartitionSetting]]:
+    """No overlap, then each slot index of every key (SMs varying with it), then the
+    last slot of every CP key with the first of the others."""
+    parts = Workload.build(_job(tp)).partitions.partitions
+    plans = {"no overlap": {k: PartitionSetting(3, None) for k in parts}}
+    most = max(len(p.slots) for p in parts.values())
+    for i in range(most):
+        plans[f"slot {i}"] = {k: PartitionSetting(2 * (i + 1),
+                                                  p.slots[min(i, len(p.slots) - 1)].name)
+                              for k, p in parts.items()}
+    plans["cp last"] = {k: PartitionSetting(5 if k in CP_KEYS else 7,
+                                            p.slots[-1 if k in CP_KEYS else 0].name)
+                        for k, p in parts.items()}
+    return plans
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tp: int, cp: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, params_dtype=torch.float32, bf16=False, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, context_parallel_size=cp)
+
+
+def _rel(a, b) -> float:
+    return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+
+
+def _run(layer, x, dy, emb, checkpoint: bool):
+    layer.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    if checkpoint:  # full recompute, as Megatron's block does it (reentrant)
+        out = torch.utils.checkpoint.checkpoint(
+            lambda h: layer(h, attention_mask=None, rotary_pos_emb=emb)[0], xi,
+            use_reentrant=True, preserve_rng_state=False)
+    else:
+        out, _ = layer(xi, attention_mask=None, rotary_pos_emb=emb)
+    out.backward(dy)
+    return out.detach(), xi.grad, [p.grad.clone() for p in layer.parameters()]
+
+
+class _Calls:
+    """Counts a torch.distributed function's calls."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.n = name, 0
+        self.orig = getattr(dist, name)
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.n += 1
+            return self.orig(*args, **kwargs)
+
+        setattr(dist, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(dist, self.name, self.orig)
+
+
+def _worker(rank: int, world: int, port: int, tp: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.integrations.megatron.cp_attention import KareusCPCoreAttention, load_balanced
+    from kareus.integrations.megatron.cpu import (
+        SDPACoreAttention,
+        rotary_embedding,
+        with_core_attention,
+    )
+    from kareus.integrations.megatron.spec import kareus_layer_spec
+
+    cp = world // tp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             context_parallel_size=cp)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    res: dict = {"plans": {}}
+    try:
+        local = get_gpt_layer_local_spec(normalization="RMSNorm")
+        torch.manual_seed(0)
+        plain = build_module(with_core_attention(local, SDPACoreAttention),
+                             config=_config(tp, 1), layer_number=1)
+        kareus = build_module(kareus_layer_spec(with_core_attention(local,
+                                                                    KareusCPCoreAttention)),
+                              config=_config(tp, cp), layer_number=1)
+        kareus.load_state_dict(plain.state_dict())
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        emb = rotary_embedding(HIDDEN // HEADS, SEQ)
+        cp_group = parallel_state.get_context_parallel_group()
+        cp_rank = dist.get_rank(cp_group)
+
+        def mine(t):
+            return load_balanced(t, cp, cp_rank, dim=0)
+
+        ref = {ck: _run(plain, x, dy, emb, ck) for ck in (False, True)}
+        plans = _plans(tp)
+        parts = Workload.build(_job(tp)).partitions.partitions
+        for name, settings in plans.items():
+            kareus.set_kareus_plan(LayerPlan.from_partitions(parts, settings))
+            for ck in (False, True):
+                with _Calls("all_gather_into_tensor") as ag, \
+                        _Calls("reduce_scatter_tensor") as rs:
+                    out, dx, grads = _run(kareus, mine(x), mine(dy), mine(emb), ck)
+                for gr in grads:
+                    dist.all_reduce(gr, group=cp_group)  # each rank's tokens' share
+                r_out, r_dx, r_grads = ref[ck]
+                res["plans"][(name, ck)] = {
+                    "worst": max([_rel(out, mine(r_out)), _rel(dx, mine(r_dx))]
+                                 + [_rel(a, b) for a, b in zip(grads, r_grads)]),
+                    "all_gathers": ag.n, "reduce_scatters": rs.n}
+        kareus.set_kareus_plan(None)
+        out, dx, grads = _run(kareus, mine(x), mine(dy), mine(emb), False)
+        for gr in grads:
+            dist.all_reduce(gr, group=cp_group)
+        r_out, r_dx, r_grads = ref[False]
+        res["plain_cp_worst"] = max([_rel(out, mine(r_out)), _rel(dx, mine(r_dx))]
+                                    + [_rel(a, b) for a, b in zip(grads, r_grads)])
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _spawn(tmp_path_factory, tp: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"cp_tp{tp}")
+    world = 2 * tp
+    mp.spawn(_worker, args=(world, _port(), tp, str(out)), nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory):
+    return _spawn(tmp_path_factory, tp=1)
+
+
+@pytest.fixture(scope="module")
+def tp2cp2(tmp_path_factory):
+    return _spawn(tmp_path_factory, tp=2)
+
+
+def test_plans_equal_megatron_s_cp1_layer_at_cp2(cp2):
+    for res in cp2:
+        assert len(res["plans"]) >= 2 * 4
+        for (name, ck), r in res["plans"].items():
+            assert r["worst"] < 1e-5, (name, ck, r)
+
+
+def test_plans_equal_megatron_s_cp1_layer_at_tp2_cp2(tp2cp2):
+    for res in tp2cp2:
+        for (name, ck), r in res["plans"].items():
+            assert r["worst"] < 1e-5, (name, ck, r)
+
+
+def test_the_cp_collectives_are_the_schedule_s(cp2):
+    """Per layer pass: K/V gathered twice in the forward (one per nanobatch) and twice
+    again in the backward, dK/dV reduce-scattered twice; under full recompute the
+    forward runs twice (Megatron's checkpoint), so its two gathers run twice."""
+    for res in cp2:
+        for (name, ck), r in res["plans"].items():
+            assert r["all_gathers"] == (6 if ck else 4), (name, ck, r)
+            assert r["reduce_scatters"] == 2, (name, ck, r)
+
+
+def test_without_a_plan_the_cp_layer_is_megatron_s_with_kareus_s_attention(cp2):
+    for res in cp2:
+        assert res["plain_cp_worst"] < 1e-5
