@@ -137,6 +137,10 @@ def load(args: argparse.Namespace):
         fail(f"--tp {args.tp}, but the plan's job has tp {job.tp}")
     if job.cp != args.cp:
         fail(f"--cp {args.cp}, but the plan's job has cp {job.cp}")
+    if job.cp_ring:
+        fail("the plan's job keeps Transformer Engine's ring CP inside the attention "
+             "(cp_comm_type: p2p), which needs TE's spec on GPUs; this example runs "
+             "all-gather CP (cp_comm_type: allgather, examples/megatron_gpt_cp.yaml)")
     if job.sequence_parallel != args.sequence_parallel:
         fail(f"the plan's job {'has' if job.sequence_parallel else 'has no'} sequence "
              f"parallelism: {'add' if job.sequence_parallel else 'drop'} "
@@ -352,12 +356,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 plan.plan.execution, stage=0, dry_run=True, log_path=log)
             plan.attach(model)
             if args.nccl_sms and not cpu:
-                from kareus.integrations.megatron.groups import tp_groups_by_sms
+                from kareus.integrations.megatron.groups import groups_by_sms
 
-                groups = tp_groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
-                                          plan.sms_used())
+                # one communicator per SM count of the plan: the TP all-reduces' over the
+                # TP group, CP's all-gathers and reduce-scatters' over the CP group
+                sms = plan.sms_used()
+                tp_groups = (groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
+                                           sms) if args.tp > 1 else None)
+                cp_groups = groups_by_sms(cp_group, sms) if args.cp > 1 else None
                 for layer in plan.layers:
-                    layer.kareus_groups_by_sms = groups
+                    layer.kareus_groups_by_sms = tp_groups
+                    layer.kareus_cp_groups_by_sms = cp_groups
             with controller:
                 losses, errors = train(model, data, args.steps, args.lr, args.cp, cp_rank,
                                        cp_group, plan, reference)
@@ -381,8 +390,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 print(f"plan {plan.plan.id}: {overlapped} of {len(plan.log)} instructions "
                       f"ran {what}, the others Megatron's layer", flush=True)
                 used: dict[str, set] = {}
-                for _m, _d, lp in plan.log:
+                for _m, d, lp in plan.log:
                     for key, s in (lp.settings.items() if lp is not None else ()):
+                        if (d == "backward" and not job.recompute
+                                and plan.partitions[key].direction == "forward"):
+                            continue  # a backward without recompute runs no forward
                         used.setdefault(key, set()).add(f"{s.sms} SMs before "
                                                         f"{lp.launch_op(key) or 'the end'}")
                 for key, settings in sorted(used.items()):
@@ -437,7 +449,7 @@ def main() -> None:
                          "rank: direction, microbatch, MHz per instruction; default: a new "
                          "temporary directory)")
     ap.add_argument("--no-nccl-sms", dest="nccl_sms", action="store_false",
-                    help="under NCCL, run every collective on the layer's own TP group "
+                    help="under NCCL, run every collective on the layer's own TP or CP group "
                          "instead of one communicator per SM count of the plan")
     args = ap.parse_args()
     if (args.tp is not None and args.tp < 1) or args.cp < 1 or args.steps < 1:

@@ -177,3 +177,16 @@ def test_a_job_of_another_cp_is_refused_in_one_line():
     assert done.returncode == 2
     assert done.stderr.strip() == ("megatron_gpt: error: --cp 4, but the plan's job has "
                                    "cp 2")
+
+
+def test_a_ring_cp_job_is_refused_in_one_line(tmp_path):
+    """cp_comm_type p2p keeps TE's ring inside the attention: not what the example runs."""
+    job = tmp_path / "ring.yaml"
+    job.write_text(TINY_JOB % (1, 2) + "cp_comm_type: p2p\n")
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--cp", "2", "--config", str(job)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "megatron_gpt: error: the plan's job keeps Transformer Engine's ring CP inside the "
+        "attention (cp_comm_type: p2p), which needs TE's spec on GPUs; this example runs "
+        "all-gather CP (cp_comm_type: allgather, examples/megatron_gpt_cp.yaml)")
