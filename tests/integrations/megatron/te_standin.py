@@ -242,3 +242,32 @@ def te_spec(core_attention: type) -> ModuleSpec:
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
                 linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear)),
             mlp_bda=get_bias_dropout_add))
+
+
+class TEDotProductAttention(torch.nn.Module):
+    """Stand-in for Megatron's `TEDotProductAttention` under context parallelism with
+    ``cp_comm_type="p2p"``: the CP communication happens inside the op (TE passes K/V
+    chunks around the ring, transformer_engine/pytorch/attention/dot_product_attention/
+    context_parallel.py ``AttnFuncWithCPAndKVP2P``); here the key and value are gathered
+    inside the op, which gives the same numbers. It has no ``kv_gathered``: a plan cannot
+    take its communication out, so the attention is one compute op to the plan."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", cp_comm_type: str | None = None,
+                 softmax_scale: float | None = None, pg_collection: Any = None,
+                 **_: Any) -> None:
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.softmax_scale = softmax_scale
+        self.cp_comm_type = cp_comm_type
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        from kareus.integrations.megatron.cp_attention import cp_causal_attention
+        from kareus.runtime.primitives import GatherSeq
+
+        cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        key, value = (GatherSeq.apply(t, self.cp_group, 0) for t in (key, value))
+        return cp_causal_attention(query, key, value, cp, rank, self.softmax_scale)

@@ -297,33 +297,62 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "config cp 1": _refusal(lambda: KareusCPCoreAttention(_config(), 1,
                                                                   AttnMaskType.causal)),
         }
-        res.update(_layer_from_the_spec())
+        res.update(_layer_from_the_spec(rank, group))
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def _layer_from_the_spec() -> dict:
+def _layer_from_the_spec(rank: int, group) -> dict:
     """``--spec kareus.integrations.megatron.spec layer_spec`` at CP=2, local implementation:
     the layer builds (Megatron's DotProductAttention would refuse) with the Kareus CP core
-    attention, and the same parameters as Megatron's CP=1 layer."""
+    attention and Megatron's CP=1 layer's parameters, and (no plan: Megatron's own layer
+    code, RoPE on this rank's positions) runs as Megatron's CP=1 layer (core attention:
+    `SDPACoreAttention`) on the full sequence: output and input gradient this rank's part of
+    its, parameter gradients summed over the CP ranks its."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
     from kareus.integrations.megatron import spec as kspec
+    from kareus.integrations.megatron.cpu import (
+        SDPACoreAttention,
+        rotary_embedding,
+        with_core_attention,
+    )
 
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    plain = with_core_attention(get_gpt_layer_local_spec(), SDPACoreAttention)
     layers = {}
-    for cp in (1, 2):
+    for cp, spec in ((1, plain), (2, kspec.layer_spec)):
         torch.manual_seed(0)
         cfg = _config(context_parallel_size=cp, ffn_hidden_size=64, transformer_impl="local")
-        layers[cp] = build_module(kspec.layer_spec, config=cfg, layer_number=1)
+        layers[cp] = build_module(spec, config=cfg, layer_number=1)
     a, b = layers[1].state_dict(), layers[2].state_dict()
-    return {"spec core attention": type(layers[2].self_attention.core_attention).__name__,
-            "spec cp": layers[2].self_attention.core_attention.cp,
-            "spec same parameters": list(a) == list(b) and all(
-                torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))}
+    out = {"spec core attention": type(layers[2].self_attention.core_attention).__name__,
+           "spec cp": layers[2].self_attention.core_attention.cp,
+           "spec same parameters": list(a) == list(b) and all(
+               torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))}
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SEQ, BATCH, HEADS * D, generator=g)
+    dy = torch.randn(SEQ, BATCH, HEADS * D, generator=g)
+    emb = rotary_embedding(D, SEQ)
+    runs = []
+    for cp, xs, dys, embs in ((1, x, dy, emb), (2, *(load_balanced(t, 2, rank)
+                                                     for t in (x, dy, emb)))):
+        xi = xs.clone().requires_grad_(True)
+        y, _ = layers[cp](xi, attention_mask=None, rotary_pos_emb=embs)
+        y.backward(dys)
+        grads = [p.grad.clone() for p in layers[cp].parameters()]
+        if cp > 1:  # each rank's parameter gradients are its positions' part
+            for t in grads:
+                dist.all_reduce(t, group=group)
+        runs.append([y.detach(), xi.grad, *grads])
+    ref = [load_balanced(t, 2, rank) for t in runs[0][:2]] + runs[0][2:]
+    out["layer worst"] = max(_rel(a, b) for a, b in zip(runs[1], ref))
+    out["layer tensors"] = len(ref)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +398,9 @@ def test_the_spec_builds_a_cp_layer_with_megatron_s_parameters(results):
         assert res["spec core attention"] == "KareusCPCoreAttention"
         assert res["spec cp"] == 2
         assert res["spec same parameters"]
+
+
+def test_a_megatron_layer_at_cp_2_equals_megatron_s_cp_1_layer(results):
+    for res in results:
+        assert res["layer tensors"] > 6
+        assert res["layer worst"] < 1e-5

@@ -305,3 +305,37 @@ def test_a_plan_file_without_its_job_is_refused(tmp_path):
         MegatronPlan.from_file(path, 0)
     path.write_text(json.dumps(_plan().to_dict(JOB.model_dump(mode="json"))))
     assert MegatronPlan.from_file(path, 1).order[:2] == [(0, "forward"), (0, "backward")]
+
+
+def test_the_layer_s_cp_communication_must_be_the_plan_s():
+    """An all-gather CP job's plan has the CP partitions, which only a core attention
+    whose K/V the schedule gathers runs; a p2p job's plan keeps the communication inside
+    the attention. Each mismatch is named; CP=1 jobs are not concerned."""
+    from types import SimpleNamespace
+
+    from kareus.integrations.megatron.plan import _cp_mismatch
+
+    class Gathering:  # as KareusCPCoreAttention: the schedule gathers its K/V
+        def kv_gathered(self):
+            raise AssertionError("not called")
+
+    class Ring:  # as Transformer Engine's attention: CP inside the op
+        pass
+
+    def layer(core):
+        return SimpleNamespace(config=SimpleNamespace(context_parallel_size=2),
+                               self_attention=SimpleNamespace(core_attention=core))
+
+    base = {**JOB.model_dump(), "cp": 2, "gpus_per_node": 2 * JOB.tp * JOB.pp}
+    allgather = build_job(overrides=base)
+    p2p = build_job(overrides={**base, "cp_comm_type": "p2p"})
+    assert _cp_mismatch(layer(Gathering()), allgather) == []
+    assert _cp_mismatch(layer(Ring()), p2p) == []
+    assert _cp_mismatch(layer(Ring()), JOB) == []
+    wrong = _cp_mismatch(layer(Ring()), allgather)
+    assert wrong == ["core attention Ring, which keeps its CP communication inside (the "
+                     "plan's job: cp_comm_type allgather, Kareus's CP partitions: use "
+                     "KareusCPCoreAttention)"]
+    wrong = _cp_mismatch(layer(Gathering()), p2p)
+    assert wrong == ["core attention Gathering, whose K/V collectives are Kareus partitions "
+                     "(the plan's job: cp_comm_type p2p, the ring inside the attention op)"]

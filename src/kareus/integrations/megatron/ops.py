@@ -18,17 +18,34 @@ gates, the fused QKV-rotary kernel, activation offloading) is refused in one lin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import Any, Protocol
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from torch import Tensor
 
 from kareus.errors import SpecError
-from kareus.runtime.overlap import Taps
+from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.pieces import Before
 
-if TYPE_CHECKING:  # the layer builds its ops; the ops only call back into it
-    from kareus.integrations.megatron.layer import KareusTransformerLayer
+
+class KareusTransformerLayer(Protocol):
+    """What the ops use of `kareus.integrations.megatron.layer.KareusTransformerLayer`
+    (which builds them: a protocol here, not an import back into the layer): its Kareus
+    state, and Megatron's submodules and settings by their names."""
+
+    kareus_groups_by_sms: GroupsBySms | None
+    kareus_cp_groups_by_sms: GroupsBySms | None
+    _kareus_te: Any
+    training: bool
+
+    def _kareus_piece(self, before: Before, taps: Taps
+                      ) -> contextlib.AbstractContextManager[None]: ...
+
+    def __getattr__(self, name: str) -> Any:
+        """Megatron's submodules (``self_attention``, ``mlp``, the norms, the bias-dropout-
+        adds) and settings (``config``, ``hidden_dropout``)."""
+        ...
 
 
 class MegatronLayerOps:
@@ -119,6 +136,16 @@ def runs_cp_partitions(layer: KareusTransformerLayer) -> bool:
     return cp_size(layer) > 1 and hasattr(core, "kv_gathered")
 
 
+def _cp_comm_type(layer: KareusTransformerLayer) -> str:
+    """The layer's CP communication as Megatron gives it to Transformer Engine's attention:
+    the config's ``cp_comm_type``, one for all layers or one per layer; Megatron-LM's
+    default ``p2p`` where it is unset."""
+    kind = getattr(layer.config, "cp_comm_type", None)
+    if isinstance(kind, (list, tuple)):
+        kind = kind[int(getattr(layer, "layer_number", 1)) - 1]
+    return str(kind or "p2p")
+
+
 def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> None:
     """One line for a CP layer (CP > 1) a plan cannot run. ``te_attention``: the layer
     runs Transformer Engine's modules (whose core attention may keep its ring CP)."""
@@ -126,10 +153,10 @@ def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> Non
     core = getattr(attn, "core_attention", None)
     problems = []
     if not runs_cp_partitions(layer):
-        ring = te_attention and (getattr(cfg, "cp_comm_type", None) or "p2p") == "p2p"
-        if not ring:
+        kind = _cp_comm_type(layer)
+        if not (te_attention and kind == "p2p"):
             problems.append(f"core attention {type(core).__name__} with cp_comm_type "
-                            f"{getattr(cfg, 'cp_comm_type', None)!r}")
+                            f"{kind!r}")
         if problems:
             raise SpecError(f"a Kareus plan cannot run this CP layer "
                             f"({'; '.join(problems)}); supported: {CP_SUPPORTED}")
