@@ -186,9 +186,12 @@ class _CPNanobatch(Nanobatch):
         return out
 
     def build(self, names: Sequence[str]) -> None:
-        if names[0] != "attn_norm" or all(n in self.pieces for n in ("qkv", "proj",
-                                                                       "attn_res")):
+        """As `Nanobatch.build`; the attention half's pieces are the norm, ``qkv``,
+        ``proj`` and the residual (its core attention is rebuilt by ``a'`` itself)."""
+        if names[0] != "attn_norm":
             super().build(names)
+            return
+        if all(n in self.pieces for n in ("attn_norm", "qkv", "proj", "attn_res")):
             return
         assert self.attn_out is not None
         with torch.enable_grad():

@@ -187,7 +187,7 @@ def _worker(rank: int, world: int, port: int, tp: int, out_dir: str) -> None:
                 rs_name = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
                            else "reduce_scatter_tensor")
                 with _Calls("all_gather_into_tensor") as ag, _Calls(rs_name) as rs, \
-                        _LateIssues() as late:
+                        _Calls("all_gather") as own, _LateIssues() as late:
                     out, dx, grads = _run(kareus, mine(x), mine(dy), mine(emb), ck)
                 for gr in grads:
                     dist.all_reduce(gr, group=cp_group)  # each rank's tokens' share
@@ -195,7 +195,8 @@ def _worker(rank: int, world: int, port: int, tp: int, out_dir: str) -> None:
                 res["plans"][(name, ck)] = {
                     "worst": max([_rel(out, mine(r_out)), _rel(dx, mine(r_dx))]
                                  + [_rel(a, b) for a, b in zip(grads, r_grads)]),
-                    "all_gathers": ag.n, "reduce_scatters": rs.n, "late": late.n}
+                    "all_gathers": ag.n, "reduce_scatters": rs.n, "late": late.n,
+                    "attention_s_own_gathers": own.n}
         kareus.set_kareus_plan(None)
         out, dx, grads = _run(kareus, mine(x), mine(dy), mine(emb), False)
         for gr in grads:
@@ -247,6 +248,7 @@ def test_the_cp_collectives_are_the_schedule_s(cp2):
         for (name, ck), r in res["plans"].items():
             assert r["all_gathers"] == (6 if ck else 4), (name, ck, r)
             assert r["reduce_scatters"] == 2, (name, ck, r)
+            assert r["attention_s_own_gathers"] == 0, (name, ck, r)
 
 
 def test_without_a_plan_the_cp_layer_is_megatron_s_with_kareus_s_attention(cp2):
