@@ -1,8 +1,8 @@
-"""Train a tiny GPT with Megatron-Core at TP=2, every decoder layer a Kareus layer running
-a Kareus plan: its partitioned overlap (two nanobatches, each tensor-parallel all-reduce
-issued before the compute op the plan names, on the group for the plan's SMs under NCCL)
-and its clock per pipeline instruction (a dry-run frequency controller: it logs, never
-touches a clock).
+"""Train a tiny GPT with Megatron-Core at TP=2 (or CP=2, or both), every decoder layer a
+Kareus layer running a Kareus plan: its partitioned overlap (two nanobatches, each
+collective issued before the compute op the plan names, on the group for the plan's SMs
+under NCCL) and its clock per pipeline instruction (a dry-run frequency controller: it
+logs, never touches a clock).
 
     kareus optimize --config examples/megatron_gpt.yaml --out runs/megatron-gpt
     kareus plan list --result runs/megatron-gpt
@@ -18,24 +18,45 @@ whose plans run the SP partitions: all-gathers and reduce-scatters along the seq
     python examples/megatron_gpt.py --tp 2 --sequence-parallel --plan plan-sp.json \
         --compare-plain --clock-log clocks/
 
-The model is the plan's job's (examples/megatron_gpt.yaml by default, without --plan: the
-plain Megatron layer). --compare-plain builds a second model from the same initialisation
-with Megatron's own layer spec and, at every step, computes its loss and gradients on the
-Kareus model's parameters; it prints one JSON line with the largest relative error of the
-losses and of every gradient (each parameter's, against its largest element) over the
-steps and the ranks. The example drives each microbatch's forward
-and backward itself, in the 1F1B order of one stage; `MegatronPlan` follows them through
-hooks on the model, exactly as it follows Megatron's own pipeline schedule (which creates
-CUDA tensors, so it runs on GPUs only).
+With context parallelism (--cp 2; the job examples/megatron_gpt_cp.yaml, or at TP=2 x CP=2
+with --tp 2 --cp 2 examples/megatron_gpt_tpcp.yaml: 4 processes), each layer's core
+attention is Kareus's CP attention (kareus.integrations.megatron.cp_attention: K and V
+all-gathered over the CP group, dK and dV reduce-scattered, the plan's CP partitions
+overlapped), each CP rank holds its load-balanced part of every sequence (chunks r and
+2cp-1-r of 2cp, as Megatron-LM's get_batch_on_this_cp_rank cuts it), and the loss and the
+gradients are averaged over the CP group:
+
+    kareus optimize --config examples/megatron_gpt_cp.yaml --out runs/megatron-gpt-cp
+    kareus plan export --result runs/megatron-gpt-cp --plan ID --format json --out plan-cp.json
+    python examples/megatron_gpt.py --cp 2 --plan plan-cp.json --compare-plain \
+        --clock-log clocks/
+    kareus optimize --config examples/megatron_gpt_tpcp.yaml --out runs/megatron-gpt-tpcp
+    kareus plan export --result runs/megatron-gpt-tpcp --plan ID --format json \
+        --out plan-tpcp.json
+    python examples/megatron_gpt.py --tp 2 --cp 2 --plan plan-tpcp.json --compare-plain
+
+The model is the plan's job's (without --plan: the plain Megatron layer, on --config's job
+or the example's for the flags: examples/megatron_gpt.yaml by default); --tp defaults to
+the job's, --cp to 1, and a job of another tp or cp is refused. --compare-plain builds a
+second model from the same initialisation with Megatron's own layer spec (under CP,
+Megatron's CP=1 model on the whole sequence, on every rank) and, at every step, computes
+its loss and gradients on the Kareus model's parameters; it prints one JSON line with the
+largest relative error of the losses and of every gradient (each parameter's, against its
+largest element) over the steps and the ranks. The example drives each microbatch's
+forward and backward itself, in the 1F1B order of one stage; `MegatronPlan` follows them
+through hooks on the model, exactly as it follows Megatron's own pipeline schedule (which
+creates CUDA tensors, so it runs on GPUs only).
 
 On the CPU: Megatron's DotProductAttention and RotaryEmbedding allocate on CUDA, so the
 layers use an SDPA core attention (kareus.integrations.megatron.cpu, the same function) and
-the model learned absolute positions instead of RoPE; on GPUs, Megatron's own attention
-and RoPE. Under sequence parallelism the norms are torch's RMSNorm marked
-``sequence_parallel`` (`SequenceParallelNorm`: Megatron's local spec has no SP norm
-without Apex), in both models, and on the CPU Megatron's sequence-parallel collectives
-allocate there (`allocate_on_cpu`). The CPU run checks numerics and wiring, not time or
-energy.
+the model learned absolute positions instead of RoPE (under CP, every token's global
+position); on GPUs, Megatron's own attention and RoPE. Under CP the core attention is
+Kareus's CP attention on GPUs too (Megatron's local DotProductAttention refuses CP;
+Transformer Engine's is not this example's). Under sequence parallelism the norms are
+torch's RMSNorm marked ``sequence_parallel`` (`SequenceParallelNorm`: Megatron's local
+spec has no SP norm without Apex), in both models, and on the CPU Megatron's
+sequence-parallel collectives allocate there (`allocate_on_cpu`). The CPU run (gloo)
+checks numerics and wiring, not time or energy, nor NCCL.
 """
 
 from __future__ import annotations
@@ -66,6 +87,10 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 EXAMPLE_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_gpt.yaml")
 EXAMPLE_SP_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "megatron_gpt_sp.yaml")
+EXAMPLE_CP_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "megatron_gpt_cp.yaml")
+EXAMPLE_TPCP_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "megatron_gpt_tpcp.yaml")
 
 
 def fail(msg: str) -> None:
@@ -73,8 +98,20 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
+def example_job(args: argparse.Namespace) -> str:
+    """The job file without --plan: --config's, or the example's for the flags."""
+    if args.config:
+        return args.config
+    if args.sequence_parallel:
+        return EXAMPLE_SP_JOB
+    if args.cp > 1:
+        return EXAMPLE_TPCP_JOB if (args.tp or 1) > 1 else EXAMPLE_CP_JOB
+    return EXAMPLE_JOB
+
+
 def load(args: argparse.Namespace):
-    """The job (the plan's, or the example's) and the plan (None without --plan)."""
+    """The job (the plan's, or the example's) and the plan (None without --plan); sets
+    ``args.tp`` to the job's where --tp was not given."""
     try:
         import megatron.core  # noqa: F401
     except ImportError:
@@ -88,15 +125,22 @@ def load(args: argparse.Namespace):
             plan = MegatronPlan.from_file(args.plan, stage=0)
             job = plan.job
         else:
-            plan, job = None, build_job(config=EXAMPLE_SP_JOB if args.sequence_parallel
-                                        else EXAMPLE_JOB)
+            plan, job = None, build_job(config=example_job(args))
     except KareusError as exc:
         fail(str(exc))
     if job.pp != 1:
         fail(f"the plan's job has {job.pp} pipeline stages; this example runs one stage "
              f"(pp: 1)")
+    if args.tp is None:
+        args.tp = job.tp
     if job.tp != args.tp:
         fail(f"--tp {args.tp}, but the plan's job has tp {job.tp}")
+    if job.cp != args.cp:
+        fail(f"--cp {args.cp}, but the plan's job has cp {job.cp}")
+    if job.cp_ring:
+        fail("the plan's job keeps Transformer Engine's ring CP inside the attention "
+             "(cp_comm_type: p2p), which needs TE's spec on GPUs; this example runs "
+             "all-gather CP (cp_comm_type: allgather, examples/megatron_gpt_cp.yaml)")
     if job.sequence_parallel != args.sequence_parallel:
         fail(f"the plan's job {'has' if job.sequence_parallel else 'has no'} sequence "
              f"parallelism: {'add' if job.sequence_parallel else 'drop'} "
@@ -110,10 +154,10 @@ def load(args: argparse.Namespace):
     return job, plan
 
 
-def config(job, tp: int):
-    """The model's configuration, recompute and sequence parallelism as the plan's job has
-    them (MegatronPlan refuses a model where either differs: the plan's times assume
-    one or the other)."""
+def config(job, tp: int, cp: int):
+    """The model's configuration, recompute, sequence and context parallelism as the plan's
+    job has them (MegatronPlan refuses a model where one differs: the plan's times assume
+    them). ``cp`` is the model's: the job's, or 1 for --compare-plain's reference."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = job.model
@@ -126,10 +170,13 @@ def config(job, tp: int):
         use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, params_dtype=torch.float32,
         bf16=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, sequence_parallel=job.sequence_parallel)
+        tensor_model_parallel_size=tp, sequence_parallel=job.sequence_parallel,
+        context_parallel_size=cp)
 
 
-def build(job, tp: int, kareus: bool, cpu: bool, seed: int):
+def build(job, tp: int, cp: int, kareus: bool, cpu: bool, seed: int):
+    """The GPT model at TP ``tp`` and CP ``cp`` (the reference of --compare-plain: cp 1,
+    on the full sequence), every layer a Kareus layer with ``kareus``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -143,7 +190,11 @@ def build(job, tp: int, kareus: bool, cpu: bool, seed: int):
     from kareus.integrations.megatron.spec import kareus_layer_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if cpu:
+    if cp > 1:  # Megatron's local DotProductAttention refuses CP, on GPUs too
+        from kareus.integrations.megatron.cp_attention import KareusCPCoreAttention
+
+        spec = with_core_attention(spec, KareusCPCoreAttention)
+    elif cpu:
         spec = with_core_attention(spec, SDPACoreAttention)
     if job.sequence_parallel:
         spec = with_norm(spec, SequenceParallelNorm)
@@ -153,38 +204,90 @@ def build(job, tp: int, kareus: bool, cpu: bool, seed: int):
         spec = TransformerBlockSubmodules(layer_specs=[spec] * job.model.num_layers,
                                           layer_norm=SequenceParallelNorm)
     torch.manual_seed(seed)  # the same initialisation for both models
-    model = GPTModel(config(job, tp), spec, vocab_size=job.model.vocab_size,
+    model = GPTModel(config(job, tp, cp), spec, vocab_size=job.model.vocab_size,
                      max_sequence_length=job.seq_length,
-                     position_embedding_type="learned_absolute" if cpu else "rope")
+                     position_embedding_type="learned_absolute" if cpu else "rope",
+                     pg_collection=None if cp == job.cp else cp1_groups())
     return model if cpu else model.cuda()
 
 
-def microbatches_of(model, data, pos) -> tuple[float, dict]:
-    """Every microbatch's forward then backward (1F1B on one stage): the mean loss and
-    the gradients by parameter name."""
+def cp1_groups():
+    """Megatron's process groups with a CP group of this rank alone: the reference of a
+    CP run sees the whole sequence (Megatron's RoPE would otherwise take this CP rank's
+    part of its embedding, as the CP model's must)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    # every rank creates every group (torch.distributed's rule); each keeps its own
+    alone = dist.new_subgroups(group_size=1)[0]
+    groups.cp = alone
+    groups.tp_cp = parallel_state.get_tensor_model_parallel_group()
+    return groups
+
+
+def batches(data, cp: int, cp_rank: int):
+    """Per microbatch of ``data`` ([microbatches, batch, seq + 1] tokens): the tokens,
+    labels and position ids of CP rank ``cp_rank``: its load-balanced part of the
+    sequence as Megatron-LM's get_batch_on_this_cp_rank cuts it (chunks r and 2cp-1-r of
+    2cp), positions global (the learned absolute embedding's; RoPE on GPUs takes its part
+    itself); the whole sequence at cp 1."""
+    from kareus.integrations.megatron.cp_attention import load_balanced
+
+    batch, seq = data.shape[1], data.shape[2] - 1
+    pos = torch.arange(seq, device=data.device).expand(batch, seq)
+    out = []
+    for tokens in data:
+        parts = (tokens[:, :-1], tokens[:, 1:], pos)
+        if cp > 1:
+            parts = tuple(load_balanced(t, cp, cp_rank, dim=1) for t in parts)
+        out.append(parts)
+    return out
+
+
+def microbatches_of(model, inputs, cp_group=None) -> tuple[float, dict]:
+    """Every microbatch's forward then backward (1F1B on one stage): the mean loss over
+    every token of the sequences and the gradients by parameter name. Under CP
+    (``cp_group``), each rank's loss is the mean of its part of the sequence: the loss is
+    their mean over the CP group, and so are the gradients."""
     model.zero_grad()
     total = 0.0
-    n = data.shape[0]
-    for m in range(n):
-        tokens = data[m]
-        loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
+    n = len(inputs)
+    for tokens, labels, pos in inputs:
+        loss = model(tokens, pos, None, labels=labels).mean()
         (loss / n).backward()
         total += float(loss.detach()) / n
+    if cp_group is not None:
+        # Megatron's finalize_model_grads averages the gradients over the DP x CP group
+        # under its DDP (each CP rank's holding the gradient of its own tokens' loss);
+        # the example has no DDP, so it averages them over the CP group itself, after
+        # the step's backward, before comparing or stepping. All ranks' parts are equally
+        # long: the mean of their means is the sequence's mean loss.
+        cp = dist.get_world_size(cp_group)
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=cp_group)
+                p.grad /= cp
+        mean = torch.tensor([total], dtype=torch.float64, device=inputs[0][0].device)
+        dist.all_reduce(mean, group=cp_group)
+        total = float(mean) / cp
     return total, {name: p.grad.detach().clone() for name, p in model.named_parameters()
                    if p.grad is not None}
 
 
-def train(model, data, steps: int, lr: float, plan=None, reference=None):
-    """``steps`` optimizer steps of ``model``: the losses, and with a ``reference`` model,
-    per step the largest relative errors of the loss and of every gradient against it,
-    computed on the same parameters (copied into it before the step: Adam would otherwise
-    amplify rounding differences of the first step into the next steps' weights)."""
+def train(model, data, steps: int, lr: float, cp: int = 1, cp_rank: int = 0,
+          cp_group=None, plan=None, reference=None):
+    """``steps`` optimizer steps of ``model`` (CP rank ``cp_rank`` of ``cp``): the losses,
+    and with a ``reference`` model (CP=1: the whole sequence), per step the largest
+    relative errors of the loss and of every gradient against it, computed on the same
+    parameters (copied into it before the step: Adam would otherwise amplify rounding
+    differences of the first step into the next steps' weights)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    batch, seq = data.shape[1], data.shape[2] - 1
-    pos = torch.arange(seq, device=data.device).expand(batch, seq)
+    inputs = batches(data, cp, cp_rank)
+    whole = batches(data, 1, 0) if reference is not None else []
     losses, errors = [], []
     for _ in range(steps):
-        loss, grads = microbatches_of(model, data, pos)
+        loss, grads = microbatches_of(model, inputs, cp_group if cp > 1 else None)
         if plan is not None:
             plan.check_complete()
         if reference is not None:
@@ -194,7 +297,7 @@ def train(model, data, steps: int, lr: float, plan=None, reference=None):
                     if n != rn:
                         raise RuntimeError(f"the models' parameters differ: {n} / {rn}")
                     q.copy_(p)
-            ref_loss, ref_grads = microbatches_of(reference, data, pos)
+            ref_loss, ref_grads = microbatches_of(reference, whole)
             if set(grads) != set(ref_grads):
                 raise RuntimeError("the two models' gradients differ in their parameters")
             errors.append((abs(loss - ref_loss) / abs(ref_loss),
@@ -229,7 +332,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if cpu:
         allocate_on_cpu()
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                                 context_parallel_size=args.cp)
         model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=cpu)
         job, _ = load(args)
         g = torch.Generator().manual_seed(args.seed + 1)
@@ -237,9 +341,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                              (job.num_microbatches, job.micro_batch_size, job.seq_length + 1),
                              generator=g)
         data = data if cpu else data.cuda()
-        model = build(job, world, kareus=True, cpu=cpu, seed=args.seed)
-        reference = (build(job, world, kareus=False, cpu=cpu, seed=args.seed)
+        model = build(job, args.tp, args.cp, kareus=True, cpu=cpu, seed=args.seed)
+        reference = (build(job, args.tp, 1, kareus=False, cpu=cpu, seed=args.seed)
                      if args.compare_plain else None)
+        cp_rank = parallel_state.get_context_parallel_rank()
+        cp_group = parallel_state.get_context_parallel_group()
         plan = None
         if args.plan:
             log = clock_log(args.clock_log, rank)
@@ -250,29 +356,45 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 plan.plan.execution, stage=0, dry_run=True, log_path=log)
             plan.attach(model)
             if args.nccl_sms and not cpu:
-                from kareus.integrations.megatron.groups import tp_groups_by_sms
+                from kareus.integrations.megatron.groups import groups_by_sms
 
-                groups = tp_groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
-                                          plan.sms_used())
+                # one communicator per SM count of the plan: the TP all-reduces' over the
+                # TP group, CP's all-gathers and reduce-scatters' over the CP group
+                sms = plan.sms_used()
+                tp_groups = (groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
+                                           sms) if args.tp > 1 else None)
+                cp_groups = groups_by_sms(cp_group, sms) if args.cp > 1 else None
                 for layer in plan.layers:
-                    layer.kareus_groups_by_sms = groups
+                    layer.kareus_groups_by_sms = tp_groups
+                    layer.kareus_cp_groups_by_sms = cp_groups
             with controller:
-                losses, errors = train(model, data, args.steps, args.lr, plan, reference)
+                losses, errors = train(model, data, args.steps, args.lr, args.cp, cp_rank,
+                                       cp_group, plan, reference)
         else:
-            losses, errors = train(model, data, args.steps, args.lr, None, reference)
+            losses, errors = train(model, data, args.steps, args.lr, args.cp, cp_rank,
+                                   cp_group, None, reference)
         if rank == 0:
             for step, loss in enumerate(losses):
                 print(f"step {step} loss {loss:.6f}", flush=True)
             if plan is not None:
                 overlapped = sum(1 for _m, _d, lp in plan.log if lp is not None)
-                what = ("the sequence-parallel partitions overlapped (all-gathers and "
-                        "reduce-scatters)" if job.sequence_parallel
-                        else "the partitioned overlap")
+                if job.cp > 1:
+                    what = ("the context-parallel partitions overlapped (K/V all-gathers, "
+                            "dK/dV reduce-scatters" + (", and the tensor-parallel "
+                                                       "collectives)" if job.tp > 1 else ")"))
+                elif job.sequence_parallel:
+                    what = ("the sequence-parallel partitions overlapped (all-gathers and "
+                            "reduce-scatters)")
+                else:
+                    what = "the partitioned overlap"
                 print(f"plan {plan.plan.id}: {overlapped} of {len(plan.log)} instructions "
                       f"ran {what}, the others Megatron's layer", flush=True)
                 used: dict[str, set] = {}
-                for _m, _d, lp in plan.log:
+                for _m, d, lp in plan.log:
                     for key, s in (lp.settings.items() if lp is not None else ()):
+                        if (d == "backward" and not job.recompute
+                                and plan.partitions[key].direction == "forward"):
+                            continue  # a backward without recompute runs no forward
                         used.setdefault(key, set()).add(f"{s.sms} SMs before "
                                                         f"{lp.launch_op(key) or 'the end'}")
                 for key, settings in sorted(used.items()):
@@ -283,7 +405,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             if rank == 0:
                 print(json.dumps({"schema_version": 1, "plan": plan.plan.id if plan else None,
-                                  "steps": args.steps, "ranks": world,
+                                  "steps": args.steps, "ranks": world, "tp": args.tp,
+                                  "cp": args.cp,
                                   "sequence_parallel": job.sequence_parallel,
                                   "max_rel_err": float(worst.max()),
                                   "max_rel_err_loss": float(worst[0]),
@@ -300,12 +423,21 @@ def clock_log(directory: str, rank: int | str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tp", type=int,
+                    help="tensor-parallel size (default: the plan's job's; without --plan, "
+                         "the example's: 2, or 1 with --cp)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context-parallel size (the plan's job's cp; without --plan: "
+                         "examples/megatron_gpt_cp.yaml, with --tp 2 "
+                         "examples/megatron_gpt_tpcp.yaml)")
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="Megatron's sequence parallelism (the plan's job must have it; "
                          "without --plan: examples/megatron_gpt_sp.yaml)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--plan", help="a Kareus plan file (kareus plan export --format json)")
+    ap.add_argument("--config", metavar="JOB",
+                    help="without --plan: the model's job file (default: the example's "
+                         "for --tp, --cp and --sequence-parallel)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
@@ -317,13 +449,15 @@ def main() -> None:
                          "rank: direction, microbatch, MHz per instruction; default: a new "
                          "temporary directory)")
     ap.add_argument("--no-nccl-sms", dest="nccl_sms", action="store_false",
-                    help="under NCCL, run every collective on the layer's own TP group "
+                    help="under NCCL, run every collective on the layer's own TP or CP group "
                          "instead of one communicator per SM count of the plan")
     args = ap.parse_args()
-    if args.tp < 1 or args.steps < 1:
-        fail("--tp and --steps must be at least 1")
+    if (args.tp is not None and args.tp < 1) or args.cp < 1 or args.steps < 1:
+        fail("--tp, --cp and --steps must be at least 1")
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs; on the CPU use --backend gloo")
+    if args.plan and args.config:
+        fail("--plan carries its job: drop --config")
     load(args)  # a bad plan or job is one line here, not a traceback in every worker
     if args.plan:
         if args.clock_log:
@@ -338,7 +472,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.tp, port, args), nprocs=args.tp, join=True)
+    # Megatron's rank order: TP ranks adjacent, then CP
+    mp.spawn(worker, args=(args.tp * args.cp, port, args), nprocs=args.tp * args.cp,
+             join=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ on the example's job file, a Kareus plan that overlaps exported, then the exampl
 on the CPU with --compare-plain and --clock-log: the largest relative errors are below
 1e-5 and each rank's clock log holds the plan's clocks in its timeline's 1F1B order. The
 same with Megatron's sequence parallelism (examples/megatron_gpt_sp.yaml,
---sequence-parallel), against Megatron's own SP layer."""
+--sequence-parallel), against Megatron's own SP layer, and with context parallelism
+(examples/megatron_gpt_cp.yaml, --cp 2), against Megatron's CP=1 model on the whole
+sequence; and the issue's GPTModel test: a 2-layer GPTModel at CP=2 (and TP=2 x CP=2)
+trains 3 steps with the losses of CP=1."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "megatron_gpt.py"
 JOB = ROOT / "examples" / "megatron_gpt.yaml"
 JOB_SP = ROOT / "examples" / "megatron_gpt_sp.yaml"
+JOB_CP = ROOT / "examples" / "megatron_gpt_cp.yaml"
 
 
 def _kareus(*args: str) -> subprocess.CompletedProcess:
@@ -29,12 +33,12 @@ def _kareus(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_example_runs_a_plan_kareus_wrote(tmp_path):
-    done, _plan_file = _done_when(tmp_path, JOB, [])
+    done, _plan_file = _done_when(tmp_path, JOB, ["--tp", "2"])
     assert "instructions ran the partitioned overlap" in done.stdout
 
 
 def test_the_example_runs_a_sequence_parallel_plan_kareus_wrote(tmp_path):
-    done, plan_file = _done_when(tmp_path, JOB_SP, ["--sequence-parallel"])
+    done, plan_file = _done_when(tmp_path, JOB_SP, ["--tp", "2", "--sequence-parallel"])
     assert '"sequence_parallel": true' in done.stdout
     assert ("instructions ran the sequence-parallel partitions overlapped (all-gathers and "
             "reduce-scatters)") in done.stdout
@@ -45,6 +49,20 @@ def test_the_example_runs_a_sequence_parallel_plan_kareus_wrote(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == ("megatron_gpt: error: the plan's job has sequence "
                                    "parallelism: add --sequence-parallel")
+
+
+def test_the_example_runs_a_context_parallel_plan_kareus_wrote(tmp_path):
+    done, plan_file = _done_when(tmp_path, JOB_CP, ["--cp", "2"])
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["cp"] == 2 and report["tp"] == 1
+    assert ("instructions ran the context-parallel partitions overlapped (K/V all-gathers, "
+            "dK/dV reduce-scatters)") in done.stdout
+    assert "  fwd_qkv_ag: " in done.stdout and "  bwd_a_rs: " in done.stdout
+    # the CP plan on a model without context parallelism: one line, before any work
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--plan", str(plan_file)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "megatron_gpt: error: --cp 1, but the plan's job has cp 2"
 
 
 def _done_when(tmp_path: Path, job: Path, flags: list[str]
@@ -67,7 +85,7 @@ def _done_when(tmp_path: Path, job: Path, flags: list[str]
                    "json", "--out", str(plan_file))
     assert done.returncode == 0, done.stderr
     clocks = tmp_path / "clocks"
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--tp", "2", *flags, "--plan",
+    done = subprocess.run([sys.executable, str(EXAMPLE), *flags, "--plan",
                            str(plan_file), "--compare-plain", "--clock-log", str(clocks),
                            "--steps", "1"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
@@ -95,3 +113,80 @@ def test_a_plan_of_another_tp_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == ("megatron_gpt: error: --tp 4, but the plan's job has "
                                    "tp 2")
+
+
+# The issue's GPTModel test: 2 layers, small enough for seconds per run on 2 cores
+TINY_JOB = """\
+model: {name: tiny-gpt, hidden_size: 64, num_layers: 2, num_attention_heads: 4,
+        num_kv_heads: 2, head_dim: 16, ffn_hidden_size: 128, vocab_size: 128}
+tp: %d
+cp: %d
+pp: 1
+micro_batch_size: 2
+seq_length: 64
+num_microbatches: 2
+recompute: false
+gpu: A40
+gpus_per_node: 4
+nodes: 1
+"""
+
+
+def _train_tiny(directory: Path, tp: int, cp: int, compare: bool
+                ) -> tuple[list[float], dict | None]:
+    """The example on the tiny job at ``tp`` x ``cp`` without a plan, 3 steps: its losses,
+    and with ``compare`` its --compare-plain report."""
+    job = directory / f"tiny-tp{tp}-cp{cp}.yaml"
+    job.write_text(TINY_JOB % (tp, cp))
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--tp", str(tp), "--cp", str(cp),
+                           "--config", str(job), "--steps", "3",
+                           *(["--compare-plain"] if compare else [])],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    losses = [float(line.split()[-1]) for line in lines if line.startswith("step ")]
+    assert len(losses) == 3
+    return losses, json.loads(lines[-1]) if compare else None
+
+
+@pytest.fixture(scope="module")
+def cp1_losses(tmp_path_factory) -> list[float]:
+    """The tiny model's 3 steps at CP=1 (and TP=1), one process, the whole sequence."""
+    return _train_tiny(tmp_path_factory.mktemp("cp1"), 1, 1, compare=False)[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["cp2", "tp2xcp2"])
+def test_a_context_parallel_gpt_model_trains_with_the_losses_of_cp1(tmp_path, cp1_losses,
+                                                                     tp):
+    """CP=2 (2 processes; TP=2 x CP=2: 4) trains on each rank's load-balanced half of the
+    sequences, with the losses and gradients averaged over the CP group: 3 steps give
+    CP=1's losses; at every step, the loss and every gradient are Megatron's CP=1 model's
+    on the same parameters (--compare-plain)."""
+    losses, report = _train_tiny(tmp_path, tp, 2, compare=True)
+    assert report is not None
+    assert report["cp"] == 2 and report["tp"] == tp and report["ranks"] == 2 * tp
+    assert report["max_rel_err_loss"] < 1e-5 and report["max_rel_err_grad"] < 1e-5, report
+    assert all(abs(a - b) / abs(b) < 1e-5 for a, b in zip(losses, cp1_losses, strict=True)), \
+        (losses, cp1_losses)
+    assert losses[2] < losses[0]  # it trains
+
+
+def test_a_job_of_another_cp_is_refused_in_one_line():
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--cp", "4"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("megatron_gpt: error: --cp 4, but the plan's job has "
+                                   "cp 2")
+
+
+def test_a_ring_cp_job_is_refused_in_one_line(tmp_path):
+    """cp_comm_type p2p keeps TE's ring inside the attention: not what the example runs."""
+    job = tmp_path / "ring.yaml"
+    job.write_text(TINY_JOB % (1, 2) + "cp_comm_type: p2p\n")
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--cp", "2", "--config", str(job)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "megatron_gpt: error: the plan's job keeps Transformer Engine's ring CP inside the "
+        "attention (cp_comm_type: p2p), which needs TE's spec on GPUs; this example runs "
+        "all-gather CP (cp_comm_type: allgather, examples/megatron_gpt_cp.yaml)")
