@@ -150,7 +150,7 @@ class _CountingCollectives:
 
     def __init__(self) -> None:
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
-        self._ag, self._rs = dist.all_gather_into_tensor, dist.reduce_scatter_single
+        self._ag, self._rs = dist.all_gather_single, dist.reduce_scatter_single
 
     def __enter__(self):
         def ag(*a, **k):
@@ -161,11 +161,11 @@ class _CountingCollectives:
             self.counts["reduce_scatter"] += bool(k.get("async_op"))
             return self._rs(*a, **k)
 
-        dist.all_gather_into_tensor, dist.reduce_scatter_single = ag, rs
+        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_into_tensor, dist.reduce_scatter_single = self._ag, self._rs
+        dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
 
 
 def _worker_sp(rank, world, port, out_dir):

@@ -95,8 +95,7 @@ class Pending:
         rows = self._src.shape[0]
         if self.kind == "all_gather":
             self.result = self._src.new_empty((rows * n, *self._src.shape[1:]))
-            self.work = dist.all_gather_into_tensor(self.result, self._src, group=g,
-                                                    async_op=True)
+            self.work = _all_gather(self.result, self._src, g)
         else:
             if rows % n:
                 raise ValueError(f"a reduce-scatter over {n} ranks needs a sequence "
@@ -114,6 +113,15 @@ class Pending:
                 self.result = self.result.movedim(0, self.dim).contiguous()
         assert self.result is not None
         return self.result
+
+
+def _all_gather(out: torch.Tensor, src: torch.Tensor, group: Group) -> dist.Work:
+    """Asynchronous all-gather along the first dimension (torch's newer name where it has
+    it: ``all_gather_into_tensor`` warns that it is deprecated)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = fn(out, src, group=group, async_op=True)
+    assert work is not None
+    return work
 
 
 def _reduce_scatter(out: torch.Tensor, src: torch.Tensor, group: Group) -> dist.Work:

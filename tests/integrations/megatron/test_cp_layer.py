@@ -183,10 +183,11 @@ def _worker(rank: int, world: int, port: int, tp: int, out_dir: str) -> None:
         for name, settings in plans.items():
             kareus.set_kareus_plan(LayerPlan.from_partitions(parts, settings))
             for ck in (False, True):
-                # the reduce-scatter under torch's newer name where it has it (overlap.py)
-                rs_name = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
-                           else "reduce_scatter_tensor")
-                with _Calls("all_gather_into_tensor") as ag, _Calls(rs_name) as rs, \
+                # the collectives under torch's newer names where it has them (overlap.py)
+                ag_name, rs_name = (("all_gather_single", "reduce_scatter_single")
+                                    if hasattr(dist, "all_gather_single")
+                                    else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+                with _Calls(ag_name) as ag, _Calls(rs_name) as rs, \
                         _Calls("all_gather") as own, _LateIssues() as late:
                     out, dx, grads = _run(kareus, mine(x), mine(dy), mine(emb), ck)
                 for gr in grads:

@@ -414,7 +414,7 @@ class _SPCounter:
         self.schedule = 0
         self._saved = [(m.dist_all_gather_func, m.dist_reduce_scatter_func)
                        for m in self.modules]
-        self._torch = (dist.all_gather_into_tensor, dist.reduce_scatter_single)
+        self._torch = (dist.all_gather_single, dist.reduce_scatter_single)
 
     def _megatron(self, fn):
         def call(*a, **k):
@@ -433,14 +433,14 @@ class _SPCounter:
             m.dist_all_gather_func = self._megatron(ag)
             m.dist_reduce_scatter_func = self._megatron(rs)
         tag, trs = self._torch
-        dist.all_gather_into_tensor = self._schedule(tag)
+        dist.all_gather_single = self._schedule(tag)
         dist.reduce_scatter_single = self._schedule(trs)
         return self
 
     def __exit__(self, *exc):
         for m, (ag, rs) in zip(self.modules, self._saved):
             m.dist_all_gather_func, m.dist_reduce_scatter_func = ag, rs
-        dist.all_gather_into_tensor, dist.reduce_scatter_single = self._torch
+        dist.all_gather_single, dist.reduce_scatter_single = self._torch
 
     def take(self) -> tuple[int, int]:
         got = (self.megatron, self.schedule)

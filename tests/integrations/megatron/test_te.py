@@ -232,7 +232,8 @@ class _Collectives:
     """Counts the sequence all-gathers and reduce-scatters: the stand-in's (blocking, as
     TE's are within a GEMM's call) and the schedule's (asynchronous)."""
 
-    NAMES = ("all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+    NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_single",
+             "reduce_scatter_tensor")
 
     def __init__(self) -> None:
         self.blocking = self.asynchronous = 0
