@@ -110,12 +110,17 @@ def _worker_cp(rank, world, port, out_dir):
         x = full_x.chunk(2, dim=1)[rank].contiguous()  # this rank's half of the sequence
         dy = full_dy.chunk(2, dim=1)[rank].contiguous()
 
-        ref, worst = _worst_errors(layer, x, dy, PARTS_CP, PLANS_CP)
+        with _CountingCollectives() as counting:
+            ref, worst = _worst_errors(layer, x, dy, PARTS_CP, PLANS_CP)
         # and the CP layer computes what one unsplit layer computes (this rank's half)
         single = LlamaLayer(**SHAPE, seed=5)
         worst["vs one GPU"] = float(((ref[0] - single(full_x).chunk(2, dim=1)[rank]).abs()
                                      .max() / ref[0].abs().max()).item())
-        torch.save(worst, os.path.join(out_dir, f"rank{rank}.pt"))
+        # the schedule Megatron-Core's CP layer runs too (one CP schedule)
+        schedule = type(layer(x, LayerPlan.from_partitions(PARTS_CP, PLANS_CP["last"]))
+                        .grad_fn).__name__
+        torch.save((worst, counting.counts, schedule),
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -124,10 +129,14 @@ def test_overlapped_layer_equals_the_plain_layer_cp2(tmp_path):
     assert {"fwd_qkv_ag", "bwd_a_rs", "bwd_qkv_rs"} <= set(PARTS_CP)
     mp.spawn(_worker_cp, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        worst = torch.load(tmp_path / f"rank{rank}.pt")
+        worst, counts, schedule = torch.load(tmp_path / f"rank{rank}.pt")
         assert set(worst) == {*PLANS_CP, "vs one GPU"}
         for name, err in worst.items():
             assert err < 1e-5, (rank, name, err)
+        assert schedule == "OverlappedCPOpsBackward"
+        # per plan the K/V's asynchronous all-gathers (forward 2, backward 2 again) and
+        # the dK/dV reduce-scatters (backward 2): the rebuilt pieces gather nothing more
+        assert counts == {"all_gather": 4 * len(PLANS_CP), "reduce_scatter": 2 * len(PLANS_CP)}
 
 
 JOB_SP = build_job(overrides=dict(

@@ -2,8 +2,9 @@
 
 - `model`: `LlamaLayer`, the decoder layer (plain, or a plan's partitioned overlap);
 - `layer_plan`: `LayerPlan`, what the layer takes of a plan (no torch);
-- `overlap`, `pieces`, `overlap_tp`, `overlap_sp`, `overlap_cp`: the overlapped schedules
-  (TP, sequence parallelism, CP) and what they share;
+- `overlap`, `pieces`, `overlap_tp`, `overlap_sp`, `overlap_cp_ops`: the overlapped
+  schedules (TP, sequence parallelism, CP), over the layer's ops (`LlamaLayer`'s or
+  Megatron-Core's), and what they share;
 - `primitives`: tensor/context-parallel operators, RMSNorm, rotary;
 - `frequency_controller`: the plan's clock per pipeline instruction.
 

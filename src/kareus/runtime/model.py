@@ -11,10 +11,10 @@ autograd operators and blocking collectives (kareus.runtime.primitives). With a
 `LayerPlan` (``layer(x, plan)``) it splits the microbatch into two nanobatches and runs
 Kareus's partitions: one custom autograd Function owns the whole schedule
 (kareus.runtime.overlap_tp over the layer's ops, overlap_sp with sequence parallelism,
-overlap_cp with context parallelism). Each collective is issued asynchronously (NCCL runs
-it on its own stream; with the plan's SM count when a group per SM setting is given) just
-before the compute op named by the plan's slot, and waited for at the end of its
-partition.
+overlap_cp_ops with context parallelism: the same schedules Megatron-Core's layer runs).
+Each collective is issued asynchronously (NCCL runs it on its own stream; with the plan's
+SM count when a group per SM setting is given) just before the compute op named by the
+plan's slot, and waited for at the end of its partition.
 
 The overlap changes when things run, never what they compute (tested: outputs and every
 gradient equal the plain layer's).
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kareus.runtime.layer_plan import LayerPlan
-from kareus.runtime.overlap import GroupsBySms, Taps, layer_params
-from kareus.runtime.overlap_cp import OverlappedCP
+from kareus.runtime.overlap import GroupsBySms, Taps
+from kareus.runtime.overlap_cp_ops import CPLayerOps, OverlappedCPOps
 from kareus.runtime.overlap_sp import OverlappedSP
 from kareus.runtime.overlap_tp import Before, OverlappedTP, no_slot
 from kareus.runtime.primitives import (
@@ -93,11 +93,13 @@ class LlamaLayer(torch.nn.Module):
         self.norm1 = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
         self.norm2 = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
 
-    # The two segments as functions of their inputs -------------------------------------------
+    # The segments' ops, none communicating: the attention's three are the CP schedule's
+    # (kareus.runtime.overlap_cp_ops.CPLayerOps), attn_partial chains them ------------------
 
-    def qkv_core(self, a: torch.Tensor, taps: Taps | None = None,
-                 before: Before = no_slot) -> tuple[torch.Tensor, torch.Tensor]:
-        """a (norm output) -> q and this rank's k, v (rotary at their global positions);
+    def qkv_partial(self, a: torch.Tensor, before: Before = no_slot, taps: Taps | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """a (norm output) -> q and this rank's k, v ([b, s, heads, d]; rotary at their
+        global positions: this rank's chunk of the sequence is ``cp_rank * s`` on);
         ``before``: called with "qkv" and "rope" before those ops."""
         b, s, _ = a.shape
         before("qkv")
@@ -111,13 +113,13 @@ class LlamaLayer(torch.nn.Module):
         v = v.reshape(b, s, self.kv, self.d)
         if taps is not None:
             taps.update(qkv=qkv, rope=(q, k))
-        return q, torch.cat([k, v], dim=-1)
+        return q, k, v
 
-    def attention(self, q: torch.Tensor, kv: torch.Tensor, taps: Taps | None = None
-                  ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  before: Before = no_slot, taps: Taps | None = None) -> torch.Tensor:
         """Local queries over the whole sequence's k, v (causal at global positions)."""
         b, s = q.shape[:2]
-        k, v = kv.split(self.d, dim=-1)
+        before("core_attn")
         if self.cp > 1:
             total = k.shape[1]
             pos_q = torch.arange(self.cp_rank * s, (self.cp_rank + 1) * s, device=q.device)
@@ -134,8 +136,18 @@ class LlamaLayer(torch.nn.Module):
             taps.update(core_attn=o)
         return o
 
+    def proj_partial(self, o: torch.Tensor, before: Before = no_slot,
+                     taps: Taps | None = None) -> torch.Tensor:
+        """Attention output -> this rank's partial output projection."""
+        before("out_proj")
+        p = o @ self.wo
+        if taps is not None:
+            taps.update(out_proj=p)
+        return p
+
     def mlp_core(self, bn: torch.Tensor, taps: Taps | None = None,
                  before: Before = no_slot) -> torch.Tensor:
+        """bn (MLP norm output) -> this rank's partial FC2 output."""
         before("fc1")
         gu = bn @ self.w1
         gate, up = gu.chunk(2, dim=-1)
@@ -150,19 +162,14 @@ class LlamaLayer(torch.nn.Module):
     # The ops of the TP schedule (kareus.runtime.overlap_tp.TPLayerOps) ------------------------
 
     batch_dim = 0
-    seq_dim = 1
+    seq_dim = 1  # the sequence under SP and CP
 
     def attn_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm(x, self.norm1)
 
     def attn_partial(self, a: torch.Tensor, before: Before, taps: Taps) -> torch.Tensor:
-        q, kv = self.qkv_core(a, taps, before)
-        before("core_attn")
-        o = self.attention(q, kv, taps)
-        before("out_proj")
-        p = o @ self.wo
-        taps.update(out_proj=p)
-        return p
+        q, k, v = self.qkv_partial(a, before, taps)
+        return self.proj_partial(self.attention(q, k, v, before, taps), before, taps)
 
     def attn_residual(self, x: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
         return x + reduced
@@ -185,11 +192,14 @@ class LlamaLayer(torch.nn.Module):
         """The plain layer without a plan; the plan's partitioned overlap with one."""
         if plan is None:
             return self.plain(x)
+        # the layer's own full recompute (keep_graphs False): the backward rebuilds each
+        # piece from its saved inputs
+        ops: CPLayerOps = self  # the ops every schedule takes (checked by mypy)
+        params = tuple(self.parameters())
         if self.cp > 1:
-            return OverlappedCP.apply(x, self, plan, *layer_params(self))
-        # the layer's own full recompute: the backward rebuilds each piece
+            return OverlappedCPOps.apply(x, ops, plan, False, *params)
         schedule = OverlappedSP if self.sequence_parallel else OverlappedTP
-        return schedule.apply(x, self, plan, False, *layer_params(self))
+        return schedule.apply(x, ops, plan, False, *params)
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """Blocking collectives, ordinary autograd."""
@@ -197,17 +207,17 @@ class LlamaLayer(torch.nn.Module):
         if self.sequence_parallel:
             return self._plain_sp(x)
         a = CopyToTP.apply(rmsnorm(x, self.norm1), g)
-        q, kv = self.qkv_core(a)
+        q, k, v = self.qkv_partial(a)
         if self.cp > 1:
-            kv = GatherSeq.apply(kv, self.cp_group)
-        h = x + ReduceFromTP.apply(self.attention(q, kv) @ self.wo, g)
+            k, v = (GatherSeq.apply(t, self.cp_group) for t in (k, v))
+        h = x + ReduceFromTP.apply(self.proj_partial(self.attention(q, k, v)), g)
         bn = CopyToTP.apply(rmsnorm(h, self.norm2), g)
         return h + ReduceFromTP.apply(self.mlp_core(bn), g)
 
     def _plain_sp(self, x: torch.Tensor) -> torch.Tensor:
         """Sequence parallelism: ``x`` is this rank's part of the sequence."""
         g = self.group
-        q, kv = self.qkv_core(GatherSeq.apply(rmsnorm(x, self.norm1), g))
-        h = x + ScatterSeqSum.apply(self.attention(q, kv) @ self.wo, g)
+        q, k, v = self.qkv_partial(GatherSeq.apply(rmsnorm(x, self.norm1), g))
+        h = x + ScatterSeqSum.apply(self.proj_partial(self.attention(q, k, v)), g)
         bn = GatherSeq.apply(rmsnorm(h, self.norm2), g)
         return h + ScatterSeqSum.apply(self.mlp_core(bn), g)

@@ -1,6 +1,5 @@
-"""What the TP, SP and CP overlapped schedules share: the layer they run, their asynchronous
-partition collectives, the hooks that issue a collective at its slot, and the sums of the
-parameter gradients their backward passes return.
+"""What the TP, SP and CP overlapped schedules share: their asynchronous partition
+collectives and the hooks that issue a collective at its slot.
 
 A partition's collective is issued once, just before the compute op its slot names
 (forward: checked op by op; backward: from a gradient hook on the forward tensor whose
@@ -10,12 +9,10 @@ backward the slot names), and waited for once, at the partition's end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.primitives import Group, world_size
 
 GroupsBySms = Callable[[int], Group]
@@ -23,37 +20,6 @@ GroupsBySms = Callable[[int], Group]
 
 Taps = dict[str, "torch.Tensor | tuple[torch.Tensor, ...]"]
 """Intermediate tensors of a segment by the name of the op producing them."""
-
-
-class OverlapLayer(Protocol):
-    """What the schedules use of `kareus.runtime.model.LlamaLayer`."""
-
-    group: Group
-    cp_group: Group
-    groups_by_sms: GroupsBySms | None
-    cp_groups_by_sms: GroupsBySms | None
-    heads: int
-    kv: int
-    d: int
-    wqkv: torch.nn.Parameter
-    wo: torch.nn.Parameter
-    w1: torch.nn.Parameter
-    w2: torch.nn.Parameter
-    norm1: torch.nn.Parameter
-    norm2: torch.nn.Parameter
-
-    def qkv_core(self, a: torch.Tensor, taps: Taps | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def attention(self, q: torch.Tensor, kv: torch.Tensor, taps: Taps | None = None
-                  ) -> torch.Tensor: ...
-
-    def mlp_core(self, bn: torch.Tensor, taps: Taps | None = None) -> torch.Tensor: ...
-
-
-def layer_params(layer: OverlapLayer) -> list[torch.nn.Parameter]:
-    """The layer's parameters in the order the schedules take and return them."""
-    return [layer.wqkv, layer.wo, layer.w1, layer.w2, layer.norm1, layer.norm2]
 
 
 class Pending:
@@ -133,21 +99,6 @@ def _reduce_scatter(out: torch.Tensor, src: torch.Tensor, group: Group) -> dist.
     return work
 
 
-class PartitionCollectives:
-    """Makes the collective a partition hides in the CP schedule: all-reduces on the TP
-    group, all-gathers and reduce-scatters on the CP group, each (where a group per SM
-    count is given) on the group for the SMs the plan gives the partition."""
-
-    def __init__(self, layer: OverlapLayer, plan: LayerPlan) -> None:
-        self.layer, self.plan = layer, plan
-
-    def __call__(self, kind: str, tensor: torch.Tensor, key: str) -> Pending:
-        layer, sms = self.layer, self.plan.sms(key)
-        if kind == "all_reduce":
-            return Pending(kind, tensor, layer.group, sms, layer.groups_by_sms)
-        return Pending(kind, tensor, layer.cp_group, sms, layer.cp_groups_by_sms)
-
-
 def issue_before(pending: Pending | None, launch_op: str | None, name: str) -> None:
     """Forward slot hook: issue ``pending`` if its launch op is ``name`` (about to run)."""
     if pending is not None and launch_op == name:
@@ -186,21 +137,3 @@ def hook_backward_slot(taps: Taps, launch: str | None, pending: Pending | None) 
     tapped = taps[name]
     for t in tapped if isinstance(tapped, tuple) else (tapped,):
         t.register_hook(on_gradient)
-
-
-class GradientSums:
-    """Per parameter, the sum of its gradient pieces over the backward partitions."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self._sums = {id(w): torch.zeros_like(w) for w in params}
-
-    def add(self, params: list[torch.nn.Parameter],
-            grads: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None]) -> None:
-        for w, g in zip(params, grads):
-            if g is not None:
-                self._sums[id(w)] += g
-
-    def ordered(self) -> list[torch.Tensor]:
-        """The sums in the order of ``params``."""
-        return [self._sums[id(w)] for w in self.params]

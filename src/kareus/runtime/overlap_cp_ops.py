@@ -1,7 +1,8 @@
 """The overlapped schedule with context parallelism (all-gather CP) and tensor parallelism,
-over any layer that offers its ops without their communication (`CPLayerOps`):
-Megatron-Core's `TransformerLayer` with Kareus's CP core attention
-(kareus.integrations.megatron).
+over any layer that offers its ops without their communication (`CPLayerOps`): the
+project's `LlamaLayer` (contiguous sequence chunks; its own full recompute:
+``keep_graphs`` False) and Megatron-Core's `TransformerLayer` with Kareus's CP core
+attention (kareus.integrations.megatron; load-balanced chunks).
 
 A nanobatch's attention half is cut where CP communicates: the norm, the QKV piece (QKV
 projection and rotary: this rank's query, key and value), the core attention on the key
