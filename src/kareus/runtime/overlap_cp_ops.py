@@ -23,8 +23,8 @@ and QKV backward.) As in all-gather CP, a rank keeps only its own key and value:
 gathered ones are not saved by the forward but gathered again for the backward (``o'``,
 ``a'``), whose core attention is rebuilt from them and the saved query; the key and value
 gradients are reduce-scattered back to their owners. The last all-reduce of each pass is
-exposed: across layers the planner pairs it with the next layer's first segment
-(``fwd_qkv_ar``), whose SMs it runs on here.
+exposed: across layers the planner pairs the forward's with the next layer's first segment
+(``fwd_qkv_ar``), whose SMs it runs on here; the backward's runs on ``bwd_qkv_ar``'s.
 """
 
 from __future__ import annotations
@@ -137,12 +137,13 @@ class _Collectives:
                        dim=ops.seq_dim)
 
 
-def _pair(k: Tensor, v: Tensor) -> Tensor:
+def pair_kv(k: Tensor, v: Tensor) -> Tensor:
     """Key and value as one tensor (one collective for both)."""
     return torch.cat([k, v], dim=-1)
 
 
-def _unpair(kv: Tensor) -> tuple[Tensor, Tensor]:
+def unpair_kv(kv: Tensor) -> tuple[Tensor, Tensor]:
+    """`pair_kv` undone: the key and the value."""
     k, v = kv.chunk(2, dim=-1)
     return k, v
 
@@ -175,7 +176,7 @@ class _CPNanobatch(Nanobatch):
         """The core attention (no graph kept) and the output projection piece."""
         assert self.qkv_out is not None
         with torch.no_grad():
-            o = self.ops.attention(self.qkv_out[0], *_unpair(kv_full), before, {})
+            o = self.ops.attention(self.qkv_out[0], *unpair_kv(kv_full), before, {})
         self.attn_out = o
         return self._proj(o, before)
 
@@ -210,11 +211,11 @@ def _forward(nbs: list[_CPNanobatch], coll: _Collectives, plan: LayerPlan, dim: 
              ) -> Tensor:
     nb0, nb1 = nbs
     _q, k, v = nb0.qkv(no_slot)                                        # qkv(0), solo
-    c = coll(AG, _pair(k, v), "fwd_qkv_ag")
+    c = coll(AG, pair_kv(k, v), "fwd_qkv_ag")
     _q, k, v = nb1.qkv(_slot(plan, "fwd_qkv_ag", c))
     issue_at_end(c)
     kv0 = c.wait()
-    c = coll(AG, _pair(k, v), "fwd_ao_ag")
+    c = coll(AG, pair_kv(k, v), "fwd_ao_ag")
     p0 = nb0.ao(kv0, _slot(plan, "fwd_ao_ag", c))
     issue_at_end(c)
     kv1 = c.wait()
@@ -234,7 +235,7 @@ def _forward(nbs: list[_CPNanobatch], coll: _Collectives, plan: LayerPlan, dim: 
     m1 = nb1.mlp(before)
     issue_at_end(c)
     r2 = c.wait()
-    r3 = coll(AR, m1, "fwd_mlp").wait()                                # exposed
+    r3 = coll(AR, m1, "fwd_qkv_ar").wait()                             # exposed
     return torch.cat([nb0.mlp_residual(r2), nb1.mlp_residual(r3)], dim=dim)
 
 
@@ -278,7 +279,7 @@ def _backward(nbs: list[_CPNanobatch], coll: _Collectives, plan: LayerPlan, grad
 
 def _kv(nb: _CPNanobatch) -> Tensor:
     assert nb.qkv_out is not None
-    return _pair(nb.qkv_out[1], nb.qkv_out[2])
+    return pair_kv(nb.qkv_out[1], nb.qkv_out[2])
 
 
 def _o_backward(nb: _CPNanobatch, dh_res: Tensor, db_full: Tensor, grads: Grads,
@@ -305,12 +306,12 @@ def _a_backward(nb: _CPNanobatch, kv_full: Tensor, do: Tensor, pending: Pending 
         pending.issue()
     with torch.enable_grad():
         q = leaf(nb.qkv_out[0])
-        k, v = (leaf(t) for t in _unpair(kv_full))
+        k, v = (leaf(t) for t in unpair_kv(kv_full))
         taps: Taps = {}
         o = nb.ops.attention(q, k, v, no_slot, taps)
         hook_backward_slot(taps, launch, pending)
         dq, dk, dv = torch.autograd.grad(o, [q, k, v], do)
-    return dq, _pair(dk, dv)
+    return dq, pair_kv(dk, dv)
 
 
 def _qkv_backward(nb: _CPNanobatch, dq: Tensor, dkv: Tensor, grads: Grads,
@@ -320,6 +321,6 @@ def _qkv_backward(nb: _CPNanobatch, dq: Tensor, dkv: Tensor, grads: Grads,
     if pending is not None and launch is not None and launch not in BACKWARD_TAPS:
         pending.issue()
     hook_backward_slot(piece.taps, launch if launch in BACKWARD_TAPS else None, pending)
-    dk, dv = _unpair(dkv)
+    dk, dv = unpair_kv(dkv)
     da, = grads(piece, (dq, dk.contiguous(), dv.contiguous()))
     return da

@@ -22,6 +22,8 @@ opens the next (lower) layer's backward. Shifting them keeps every layer's op li
 
 from __future__ import annotations
 
+from typing import Any
+
 from kareus.job.spec import BYTES_PER_ELEMENT as E
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, GemmShape, Op
@@ -277,7 +279,7 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     return ops
 
 
-def cp_communication(job: JobSpec) -> dict | None:
+def cp_communication(job: JobSpec) -> dict[str, Any] | None:
     """How the job's CP communicates and whether that traffic is in Kareus's partitions
     (None without CP): what `kareus partitions` says."""
     if job.cp == 1:

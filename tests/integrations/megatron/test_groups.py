@@ -1,4 +1,4 @@
-"""`tp_groups_by_sms`: one process group per SM count for every TP group, created by every
+"""`groups_by_sms`: one process group per SM count for every TP group, created by every
 rank in the same order (new_group is collective), each rank keeping its own. On gloo over
 4 processes with TP groups {0, 1} and {2, 3}; NCCL's CTA options themselves (and what they
 do to time and energy) need GPUs."""
@@ -25,7 +25,7 @@ def _port() -> int:
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from kareus.integrations.megatron.groups import tp_groups_by_sms
+    from kareus.integrations.megatron.groups import groups_by_sms
 
     try:
         tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
@@ -33,8 +33,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         # ranks ask for different SM counts (pipeline stages run other clocks): every
         # rank still creates the groups of all of them, in one order
         wanted = [6, 3, 6] if rank % 2 == 0 else [3]
-        group = tp_groups_by_sms(tp, wanted, options=lambda sms: asked.append(sms))
-        assert tp_groups_by_sms(tp, [3]) is None  # gloo: no SMs to pin
+        group = groups_by_sms(tp, wanted, options=lambda sms: asked.append(sms))
+        assert groups_by_sms(tp, [3]) is None  # gloo: no SMs to pin
         res = {"asked": asked}
         for sms in (3, 6):
             g = group(sms)

@@ -117,14 +117,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             for ck in (False, True):
                 got = summed(_run(kareus, mine(x), mine(dy), mine(emb), ck))
                 res["worst"][(name, ck)] = max(_rel(a, b) for a, b in zip(got, ref))
-        # another CP communication in TE's attention is not one a plan can leave whole
-        other = build_module(kareus_layer_spec(ring), config=_config(2, "a2a"),
-                             layer_number=1)
-        try:
-            other.set_kareus_plan(LayerPlan.from_partitions(PARTS, _plans()["slot 0"]))
-            res["a2a"] = "accepted"
-        except SpecError as exc:
-            res["a2a"] = str(exc)
+        # another CP communication in TE's attention is not one a plan can leave whole;
+        # TE's linears with a core attention that communicates nothing would attend to
+        # this rank's part of the sequence only
+        for what, spec, kind in (("a2a", ring, "a2a"),
+                                 ("no CP attention", te_spec(SDPACoreAttention), "p2p")):
+            other = build_module(kareus_layer_spec(spec), config=_config(2, kind),
+                                 layer_number=1)
+            try:
+                other.set_kareus_plan(LayerPlan.from_partitions(PARTS, _plans()["slot 0"]))
+                res[what] = "accepted"
+            except SpecError as exc:
+                res[what] = str(exc)
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
@@ -156,3 +160,10 @@ def test_another_te_cp_communication_is_refused_in_one_line(results):
         assert msg.startswith("a Kareus plan cannot run this CP layer (core attention "
                               "TEDotProductAttention with cp_comm_type 'a2a')"), msg
         assert "\n" not in msg
+
+
+def test_te_linears_with_an_attention_that_does_no_cp_are_refused(results):
+    for res in results:
+        msg = res["no CP attention"]
+        assert msg.startswith("a Kareus plan cannot run this CP layer (core attention "
+                              "SDPACoreAttention with cp_comm_type None)"), msg

@@ -62,8 +62,3 @@ def groups_by_sms(group: Any, sms_values: Iterable[int],
                            f"{sorted(groups)}") from None
 
     return for_sms
-
-
-tp_groups_by_sms = groups_by_sms
-"""The name `groups_by_sms` had while it served TP groups only (kept for code written
-against it)."""

@@ -136,16 +136,6 @@ def runs_cp_partitions(layer: KareusTransformerLayer) -> bool:
     return cp_size(layer) > 1 and hasattr(core, "kv_gathered")
 
 
-def _cp_comm_type(layer: KareusTransformerLayer) -> str:
-    """The layer's CP communication as Megatron gives it to Transformer Engine's attention:
-    the config's ``cp_comm_type``, one for all layers or one per layer; Megatron-LM's
-    default ``p2p`` where it is unset."""
-    kind = getattr(layer.config, "cp_comm_type", None)
-    if isinstance(kind, (list, tuple)):
-        kind = kind[int(getattr(layer, "layer_number", 1)) - 1]
-    return str(kind or "p2p")
-
-
 def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> None:
     """One line for a CP layer (CP > 1) a plan cannot run. ``te_attention``: the layer
     runs Transformer Engine's modules (whose core attention may keep its ring CP)."""
@@ -153,7 +143,11 @@ def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> Non
     core = getattr(attn, "core_attention", None)
     problems = []
     if not runs_cp_partitions(layer):
-        kind = _cp_comm_type(layer)
+        # the CP communication the core attention was built with (Megatron gives
+        # Transformer Engine's attention its layer's entry of config.cp_comm_type); a core
+        # attention without one communicates nothing: it would attend to this rank's part
+        # of the sequence only
+        kind = getattr(core, "cp_comm_type", None)
         if not (te_attention and kind == "p2p"):
             problems.append(f"core attention {type(core).__name__} with cp_comm_type "
                             f"{kind!r}")

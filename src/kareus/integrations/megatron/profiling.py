@@ -62,6 +62,7 @@ from kareus.integrations.megatron.ops import MegatronCPOps, MegatronLayerOps
 from kareus.integrations.megatron.order import check_job
 from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import BACKWARD_TAPS, Taps
+from kareus.runtime.overlap_cp_ops import pair_kv, unpair_kv
 from kareus.runtime.overlap_tp import no_slot
 from kareus.workload.partition import Partition
 
@@ -205,12 +206,6 @@ class MegatronRuntime:
         return _BackwardRunner(self, segment, launch_op, side)
 
 
-def _unpair(kv: Tensor) -> tuple[Tensor, Tensor]:
-    """Key and value of one gathered tensor, as the CP executor splits them."""
-    k, v = kv.chunk(2, dim=-1)
-    return k, v
-
-
 class _ForwardRunner:
     """``segment``: "tp_attn", "tp_mlp" (norm and core), under SP "ln1", "attn", "ln2",
     "mlp", under CP "cp_qkv", "cp_ao", "tp_mlp"."""
@@ -243,7 +238,7 @@ class _ForwardRunner:
                     _cp(ops).qkv_partial(a, self._before, taps)
             elif seg == "cp_ao":  # this rank's query, the gathered key and value
                 cp = _cp(ops)
-                o = cp.attention(rt.q, *_unpair(rt.kv_full), self._before, {})
+                o = cp.attention(rt.q, *unpair_kv(rt.kv_full), self._before, {})
                 cp.proj_partial(o, self._before, taps)
             elif seg in ("tp_mlp", "ln2"):
                 x, r = (rt.x, rt.r) if seg == "tp_mlp" else (rt.xs, rt.rs)
@@ -347,7 +342,7 @@ class _BackwardRunner:
             core_in, core_out = self.core
             grad_out: Tensor | tuple[Tensor, ...] = rt.grad
             if self.segment == "cp_qkv":  # the reduce-scattered key and value gradients
-                dk, dv = _unpair(rt.dkv)
+                dk, dv = unpair_kv(rt.dkv)
                 grad_out = (rt.dq, dk.contiguous(), dv.contiguous())
             torch.autograd.grad(core_out, [core_in, *self.params], grad_out,
                                 retain_graph=True, allow_unused=True)
@@ -362,13 +357,15 @@ class _BackwardRunner:
         rt = self.rt
         with torch.enable_grad():
             q = rt.q.detach().requires_grad_(True)
-            k, v = (t.detach().requires_grad_(True) for t in _unpair(rt.kv_full))
+            k, v = (t.detach().requires_grad_(True) for t in unpair_kv(rt.kv_full))
             taps: Taps = {}
             o = _cp(rt.ops).attention(q, k, v, self.ops_run.append, taps)
             if self.hooked:
                 self._hook(taps)
             _dq, dk, dv = torch.autograd.grad(o, [q, k, v], rt.do)
-        torch.cat([dk, dv], dim=-1)  # one tensor for the reduce-scatter, as the executor
+        # timed with the partition: the executor builds this one tensor for the
+        # reduce-scatter
+        self.dkv_out = pair_kv(dk, dv)
 
     def synchronize(self) -> None:
         self.side.synchronize()
