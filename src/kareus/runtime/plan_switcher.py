@@ -31,6 +31,9 @@ SWITCH_LOG_SCHEMA_VERSION = 1
 CONTROL_KEYS = ("deadline_s", "power_cap_kw", "plan")
 """What a control file (or a programmatic request) may ask for: exactly one of them."""
 REASONS = ("control file", "programmatic", "pace")
+PACE_ROUNDING = 1e-9
+"""Relative slack of a pace target: base time x slowest / own lands an ulp under a plan
+whose time it equals (1.2 s x 1.5 is 1.7999999999999998 s), which still meets it."""
 
 _log = logging.getLogger(__name__)
 
@@ -236,10 +239,11 @@ class PlanSwitcher:
 
     def for_pace(self, target_time_s: float) -> Plan:
         """The least-energy plan with time_s <= ``target_time_s`` (never slower than
-        asked); ``base`` where the target is faster than base."""
-        if target_time_s < self.base.time_s:
+        asked, up to PACE_ROUNDING); ``base`` where the target is faster than base."""
+        limit = target_time_s * (1 + PACE_ROUNDING)
+        if limit < self.base.time_s:
             return self.base
-        ok = [p for p in self.plans.values() if p.time_s <= target_time_s]
+        ok = [p for p in self.plans.values() if p.time_s <= limit]
         return min(ok, key=lambda p: (p.energy_j, p.time_s))
 
     # Triggers --------------------------------------------------------------------------
@@ -368,5 +372,5 @@ def _append_line(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-__all__ = ["CONTROL_KEYS", "REASONS", "SWITCH_LOG_SCHEMA_VERSION",
+__all__ = ["CONTROL_KEYS", "PACE_ROUNDING", "REASONS", "SWITCH_LOG_SCHEMA_VERSION",
            "ControlFile", "Pace", "PlanSwitcher", "check_request", "read_control_file"]
