@@ -167,6 +167,8 @@ def straggler_savings(plans: Sequence[FrontierPlan], shape: JobShape, replicas: 
                    + d * replicas * e0)
     wait_with = (a * others * w * (pace - t0) + b * others * w * (pace - p1.time_s)
                  + c * (w * (t_rec - t0) + others * w * (t_rec - p1.time_s)))
+    if p1 == p0:  # nothing switches: the same run (not the same sum's rounding)
+        time_with, energy_with, wait_with = time_without, energy_without, wait_without
     return StragglerSavings(p0, p1, replicas, slowdown, n, lag, iterations, time_without,
                             time_with, energy_without, energy_with, wait_without, wait_with)
 
