@@ -12,7 +12,17 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from kareus import __version__
-from kareus.cli import calibrate, gpu, inspect, measure, optimize, perseus, plan, search  # noqa: F401
+from kareus.cli import (  # noqa: F401
+    calibrate,
+    gpu,
+    inspect,
+    measure,
+    optimize,
+    perseus,
+    plan,
+    replan,
+    search,
+)
 from kareus.cli.app import app
 from kareus.errors import KareusError
 
