@@ -361,10 +361,10 @@ class Replan:
     def boundary(self, step: int, observed_s: float | None) -> None:
         old = self.plan.plan.id
         new = self.replanner.boundary(step, observed_s)
-        if new is not None and self.log is not None:
-            with open(self.log) as f:
-                reason = json.loads(f.read().splitlines()[-1]).get("reason")
-            print(f"iteration {step}: plan {old} -> {new.id} ({reason})", flush=True)
+        if new is not None and self.rank == 0:
+            why = self.switcher.switches[-1]
+            print(f"iteration {step}: plan {old} -> {new.id} ({why['reason']}: "
+                  f"{why['why']})", flush=True)
 
     def observed(self, compute_s: float) -> float:
         """The iteration time of the step that ran, the running plan's."""
@@ -429,7 +429,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 # one communicator per SM count of the plan (of every plan it may switch
                 # to: none is created while training runs): the TP all-reduces' over the
                 # TP group, CP's all-gathers and reduce-scatters' over the CP group
-                sms = plan.sms_used() | (replan.switcher.sms_used() if replan else set())
+                sms = plan.sms_used() | (replan.switcher.sms_used(plan.default_sms)
+                                         if replan else set())
                 tp_groups = (groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
                                            sms) if args.tp > 1 else None)
                 cp_groups = groups_by_sms(cp_group, sms) if args.cp > 1 else None
