@@ -35,6 +35,24 @@ gradients are averaged over the CP group:
         --out plan-tpcp.json
     python examples/megatron_gpt.py --tp 2 --cp 2 --plan plan-tpcp.json --compare-plain
 
+Re-planning while training (docs/runtime.md): --result DIR runs a result's plans, starting
+on --plan ID (default: the fastest Kareus plan), with --dp N data-parallel replicas (tp x cp
+x dp processes, each replica on its own data, the gradients averaged over DP x CP); at
+every iteration boundary a control file (--control-file, read on rank 0 and broadcast) or
+the pace of the slowest replica (--straggler-slowdown F on --straggler-replica K) may
+switch plans; each switch is printed and logged (--switch-log; default: in the clock-log
+directory), and the clock logs mark each iteration's plan. On the CPU a plan's clocks do
+nothing to wall time, so the pace is the running plan's planned time, times F on the
+straggler; on GPUs the example measures the step's compute time and the straggler sleeps
+(F - 1) x it:
+
+    kareus optimize --config examples/megatron_gpt_dp.yaml --out runs/megatron-gpt-dp
+    python examples/megatron_gpt.py --tp 1 --dp 2 --result runs/megatron-gpt-dp \
+        --straggler-slowdown 1.5 --clock-log clocks/ --iterations 6
+
+--plan FILE without --result runs one plan, as before; --control-file, --switch-log and
+--straggler-slowdown need --result.
+
 The model is the plan's job's (without --plan: the plain Megatron layer, on --config's job
 or the example's for the flags: examples/megatron_gpt.yaml by default); --tp defaults to
 the job's, --cp to 1, and a job of another tp or cp is refused. --compare-plain builds a

@@ -74,7 +74,7 @@ class Replanner:
     def _control(self) -> dict[str, Any] | None:
         """The control file's request on global rank 0 (None: none new), on every rank."""
         box: list[Any] = [None]
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and self.control_file is not None:
             try:
                 box[0] = read_control_file(self.control_file)
             except KareusError as exc:  # the operator's typo must not stop training
