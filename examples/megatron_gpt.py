@@ -35,6 +35,24 @@ gradients are averaged over the CP group:
         --out plan-tpcp.json
     python examples/megatron_gpt.py --tp 2 --cp 2 --plan plan-tpcp.json --compare-plain
 
+Re-planning while training (docs/runtime.md): --result DIR runs a result's plans, starting
+on --plan ID (default: the fastest Kareus plan), with --dp N data-parallel replicas (tp x cp
+x dp processes, each replica on its own data, the gradients averaged over DP x CP); at
+every iteration boundary a control file (--control-file, read on rank 0 and broadcast) or
+the pace of the slowest replica (--straggler-slowdown F on --straggler-replica K) may
+switch plans; each switch is printed and logged (--switch-log; default: in the clock-log
+directory), and the clock logs mark each iteration's plan. On the CPU a plan's clocks do
+nothing to wall time, so the pace is the running plan's planned time, times F on the
+straggler; on GPUs the example measures the step's compute time and the straggler sleeps
+(F - 1) x it:
+
+    kareus optimize --config examples/megatron_gpt_dp.yaml --out runs/megatron-gpt-dp
+    python examples/megatron_gpt.py --tp 1 --dp 2 --result runs/megatron-gpt-dp \
+        --straggler-slowdown 1.5 --clock-log clocks/ --iterations 6
+
+--plan FILE without --result runs one plan, as before; --control-file, --switch-log and
+--straggler-slowdown need --result.
+
 The model is the plan's job's (without --plan: the plain Megatron layer, on --config's job
 or the example's for the flags: examples/megatron_gpt.yaml by default); --tp defaults to
 the job's, --cp to 1, and a job of another tp or cp is refused. --compare-plain builds a
@@ -67,6 +85,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import warnings
 
 try:
@@ -121,7 +140,13 @@ def load(args: argparse.Namespace):
     from kareus.job.sources import build_job
 
     try:
-        if args.plan:
+        if args.result:
+            from kareus.results.switching import result_plans
+
+            _plans, args.start_plan, _job = result_plans(args.result, args.plan)
+            plan = MegatronPlan.from_result(args.result, args.start_plan, stage=0)
+            job = plan.job
+        elif args.plan:
             plan = MegatronPlan.from_file(args.plan, stage=0)
             job = plan.job
         else:
@@ -245,24 +270,33 @@ def batches(data, cp: int, cp_rank: int):
     return out
 
 
-def microbatches_of(model, inputs, cp_group=None) -> tuple[float, dict]:
+def microbatches_of(model, inputs, cp_group=None, slowdown: float = 1.0
+                    ) -> tuple[float, dict, float]:
     """Every microbatch's forward then backward (1F1B on one stage): the mean loss over
-    every token of the sequences and the gradients by parameter name. Under CP
-    (``cp_group``), each rank's loss is the mean of its part of the sequence: the loss is
-    their mean over the CP group, and so are the gradients."""
+    every token of the sequences, the gradients by parameter name, and the seconds they
+    took before the gradients' sync (on GPUs, stretched by ``slowdown``: an injected
+    straggler sleeps (slowdown - 1) x their time). Under CP and DP (``cp_group``: the DP x
+    CP group), each rank's loss is the mean of its part of the global batch: the loss is
+    their mean over the group, and so are the gradients."""
     model.zero_grad()
     total = 0.0
     n = len(inputs)
+    start = time.perf_counter()
     for tokens, labels, pos in inputs:
         loss = model(tokens, pos, None, labels=labels).mean()
         (loss / n).backward()
         total += float(loss.detach()) / n
+    if inputs[0][0].is_cuda:
+        torch.cuda.synchronize()
+    if slowdown > 1:
+        time.sleep((slowdown - 1) * (time.perf_counter() - start))
+    compute_s = time.perf_counter() - start  # what the rank would take without waiting
     if cp_group is not None:
         # Megatron's finalize_model_grads averages the gradients over the DP x CP group
-        # under its DDP (each CP rank's holding the gradient of its own tokens' loss);
-        # the example has no DDP, so it averages them over the CP group itself, after
-        # the step's backward, before comparing or stepping. All ranks' parts are equally
-        # long: the mean of their means is the sequence's mean loss.
+        # under its DDP (each rank's holding the gradient of its own tokens' loss); the
+        # example has no DDP, so it averages them over that group itself, after the
+        # step's backward, before comparing or stepping. All ranks' parts are equally
+        # long: the mean of their means is the global batch's mean loss.
         cp = dist.get_world_size(cp_group)
         for p in model.parameters():
             if p.grad is not None:
@@ -272,22 +306,30 @@ def microbatches_of(model, inputs, cp_group=None) -> tuple[float, dict]:
         dist.all_reduce(mean, group=cp_group)
         total = float(mean) / cp
     return total, {name: p.grad.detach().clone() for name, p in model.named_parameters()
-                   if p.grad is not None}
+                   if p.grad is not None}, compute_s
 
 
 def train(model, data, steps: int, lr: float, cp: int = 1, cp_rank: int = 0,
-          cp_group=None, plan=None, reference=None):
-    """``steps`` optimizer steps of ``model`` (CP rank ``cp_rank`` of ``cp``): the losses,
-    and with a ``reference`` model (CP=1: the whole sequence), per step the largest
-    relative errors of the loss and of every gradient against it, computed on the same
-    parameters (copied into it before the step: Adam would otherwise amplify rounding
-    differences of the first step into the next steps' weights)."""
+          cp_group=None, plan=None, reference=None, replan=None):
+    """``steps`` optimizer steps of ``model`` (CP rank ``cp_rank`` of ``cp``; ``cp_group``:
+    the group the loss and gradients are averaged over, None for none): the losses, and
+    with a ``reference`` model (CP=1: the whole sequence), per step the largest relative
+    errors of the loss and of every gradient against it, computed on the same parameters
+    (copied into it before the step: Adam would otherwise amplify rounding differences of
+    the first step into the next steps' weights). ``replan``: a `Replan` re-planning
+    ``plan`` at every step's start."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     inputs = batches(data, cp, cp_rank)
     whole = batches(data, 1, 0) if reference is not None else []
     losses, errors = [], []
-    for _ in range(steps):
-        loss, grads = microbatches_of(model, inputs, cp_group if cp > 1 else None)
+    observed_s = None
+    for step in range(steps):
+        if replan is not None:
+            replan.boundary(step, observed_s)
+        loss, grads, compute_s = microbatches_of(
+            model, inputs, cp_group, replan.slowdown if replan and not replan.cpu else 1.0)
+        if replan is not None:
+            observed_s = replan.observed(compute_s)
         if plan is not None:
             plan.check_complete()
         if reference is not None:
@@ -297,7 +339,7 @@ def train(model, data, steps: int, lr: float, cp: int = 1, cp_rank: int = 0,
                     if n != rn:
                         raise RuntimeError(f"the models' parameters differ: {n} / {rn}")
                     q.copy_(p)
-            ref_loss, ref_grads = microbatches_of(reference, whole)
+            ref_loss, ref_grads, _s = microbatches_of(reference, whole)
             if set(grads) != set(ref_grads):
                 raise RuntimeError("the two models' gradients differ in their parameters")
             errors.append((abs(loss - ref_loss) / abs(ref_loss),
@@ -307,6 +349,44 @@ def train(model, data, steps: int, lr: float, cp: int = 1, cp_rank: int = 0,
         opt.step()
         losses.append(loss)
     return losses, errors
+
+
+class Replan:
+    """The example's re-planning (--result): a `Replanner` over the result's plans of the
+    start plan's method, the switch log written by rank 0, each switch printed there. The
+    pace it observes: on GPUs the wall time of the step's forwards and backwards (before
+    the gradients' sync, where the other replicas wait for a straggler), the straggler
+    replica's stretched by sleeping; on the CPU a plan's clocks and SMs do nothing to wall
+    time, so it is the running plan's planned iteration time, times the slowdown on the
+    straggler replica."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, plan, replica: int) -> None:
+        from megatron.core import parallel_state
+
+        from kareus.integrations.megatron.replan import Replanner
+        from kareus.results.switching import switcher_from_result
+
+        self.cpu, self.rank, self.plan = args.backend == "gloo", rank, plan
+        self.slowdown = (args.straggler_slowdown if replica == args.straggler_replica
+                         else 1.0)
+        self.log = args.switch_log if rank == 0 else None
+        self.switcher = switcher_from_result(args.result, args.start_plan, self.log)
+        group = (parallel_state.get_tensor_and_context_parallel_group()
+                 if args.tp * args.cp > 1 else None)  # one stage: the replica's ranks
+        self.replanner = Replanner(plan, self.switcher, args.control_file, group,
+                                   "cpu" if self.cpu else torch.device("cuda", rank))
+
+    def boundary(self, step: int, observed_s: float | None) -> None:
+        old = self.plan.plan.id
+        new = self.replanner.boundary(step, observed_s)
+        if new is not None and self.rank == 0:
+            why = self.switcher.switches[-1]
+            print(f"iteration {step}: plan {old} -> {new.id} ({why['reason']}: "
+                  f"{why['why']})", flush=True)
+
+    def observed(self, compute_s: float) -> float:
+        """The iteration time of the step that ran, the running plan's."""
+        return self.plan.plan.time_s * self.slowdown if self.cpu else compute_s
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -336,7 +416,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                                                  context_parallel_size=args.cp)
         model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=cpu)
         job, _ = load(args)
-        g = torch.Generator().manual_seed(args.seed + 1)
+        replica = parallel_state.get_data_parallel_rank()
+        g = torch.Generator().manual_seed(args.seed + 1 + replica)  # each replica its data
         data = torch.randint(0, job.model.vocab_size,
                              (job.num_microbatches, job.micro_batch_size, job.seq_length + 1),
                              generator=g)
@@ -346,21 +427,28 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                      if args.compare_plain else None)
         cp_rank = parallel_state.get_context_parallel_rank()
         cp_group = parallel_state.get_context_parallel_group()
-        plan = None
-        if args.plan:
+        # Megatron's finalize_model_grads averages over DP x CP: so does the example
+        avg_group = (parallel_state.get_data_parallel_group(with_context_parallel=True)
+                     if args.cp * args.dp > 1 else None)
+        plan = replan = None
+        if args.plan or args.result:
             log = clock_log(args.clock_log, rank)
             with open(log, "w"):  # this run's clocks only (the controller appends)
                 pass
-            plan = MegatronPlan.from_file(args.plan, stage=0)
+            plan = (MegatronPlan.from_result(args.result, args.start_plan, stage=0)
+                    if args.result else MegatronPlan.from_file(args.plan, stage=0))
             plan.controller = controller = FrequencyController(
                 plan.plan.execution, stage=0, dry_run=True, log_path=log)
             plan.attach(model)
+            replan = Replan(args, rank, plan, replica) if args.result else None
             if args.nccl_sms and not cpu:
                 from kareus.integrations.megatron.groups import groups_by_sms
 
-                # one communicator per SM count of the plan: the TP all-reduces' over the
+                # one communicator per SM count of the plan (of every plan it may switch
+                # to: none is created while training runs): the TP all-reduces' over the
                 # TP group, CP's all-gathers and reduce-scatters' over the CP group
-                sms = plan.sms_used()
+                sms = plan.sms_used() | (replan.switcher.sms_used(plan.default_sms)
+                                         if replan else set())
                 tp_groups = (groups_by_sms(parallel_state.get_tensor_model_parallel_group(),
                                            sms) if args.tp > 1 else None)
                 cp_groups = groups_by_sms(cp_group, sms) if args.cp > 1 else None
@@ -369,10 +457,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                     layer.kareus_cp_groups_by_sms = cp_groups
             with controller:
                 losses, errors = train(model, data, args.steps, args.lr, args.cp, cp_rank,
-                                       cp_group, plan, reference)
+                                       avg_group, plan, reference, replan)
         else:
             losses, errors = train(model, data, args.steps, args.lr, args.cp, cp_rank,
-                                   cp_group, None, reference)
+                                   avg_group, None, reference)
         if rank == 0:
             for step, loss in enumerate(losses):
                 print(f"step {step} loss {loss:.6f}", flush=True)
@@ -433,12 +521,31 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="Megatron's sequence parallelism (the plan's job must have it; "
                          "without --plan: examples/megatron_gpt_sp.yaml)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas (tp x cp x dp processes), each on its own "
+                         "data, the gradients averaged over them")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    ap.add_argument("--plan", help="a Kareus plan file (kareus plan export --format json)")
+    ap.add_argument("--plan", metavar="FILE|ID",
+                    help="a Kareus plan file (kareus plan export --format json); with "
+                         "--result, the id of the plan to start on (default: its fastest "
+                         "Kareus plan)")
+    ap.add_argument("--result", metavar="DIR",
+                    help="a result directory (kareus optimize --out): re-plan while "
+                         "training among the plans of the start plan's method")
+    ap.add_argument("--control-file", metavar="F",
+                    help="with --result: read at every iteration's start on rank 0, "
+                         '{"plan": ID} or {"deadline_s": S} or {"power_cap_kw": KW}')
+    ap.add_argument("--switch-log", metavar="PATH",
+                    help="with --result: the plan switches, one JSON line each (default: "
+                         "kareus-megatron-switches.jsonl in the clock-log directory)")
+    ap.add_argument("--straggler-slowdown", type=float, default=1.0, metavar="F",
+                    help="with --result: make replica --straggler-replica F times slower "
+                         "(on the CPU, in the pace it reports; on GPUs, by sleeping)")
+    ap.add_argument("--straggler-replica", type=int, default=1, metavar="K")
     ap.add_argument("--config", metavar="JOB",
                     help="without --plan: the model's job file (default: the example's "
                          "for --tp, --cp and --sequence-parallel)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", "--iterations", dest="steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--compare-plain", action="store_true",
@@ -452,14 +559,15 @@ def main() -> None:
                     help="under NCCL, run every collective on the layer's own TP or CP group "
                          "instead of one communicator per SM count of the plan")
     args = ap.parse_args()
-    if (args.tp is not None and args.tp < 1) or args.cp < 1 or args.steps < 1:
-        fail("--tp, --cp and --steps must be at least 1")
+    if (args.tp is not None and args.tp < 1) or min(args.cp, args.dp, args.steps) < 1:
+        fail("--tp, --cp, --dp and --steps must be at least 1")
+    check_replan_options(args)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs; on the CPU use --backend gloo")
-    if args.plan and args.config:
-        fail("--plan carries its job: drop --config")
+    if (args.plan or args.result) and args.config:
+        fail(f"{'--result' if args.result else '--plan'} carries its job: drop --config")
     load(args)  # a bad plan or job is one line here, not a traceback in every worker
-    if args.plan:
+    if args.plan or args.result:
         if args.clock_log:
             try:
                 os.makedirs(args.clock_log, exist_ok=True)
@@ -469,12 +577,39 @@ def main() -> None:
             args.clock_log = tempfile.mkdtemp(prefix="kareus-megatron-clocks-")
         print(f"clock log (dry run, one file per rank): {clock_log(args.clock_log, '<N>')}",
               flush=True)
+    if args.result:
+        args.switch_log = args.switch_log or os.path.join(
+            args.clock_log, "kareus-megatron-switches.jsonl")
+        try:
+            with open(args.switch_log, "w"):  # this run's switches only (appended)
+                pass
+        except OSError as exc:
+            fail(f"--switch-log {args.switch_log}: {exc.strerror}")
+        print(f"switch log: {args.switch_log}", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # Megatron's rank order: TP ranks adjacent, then CP
-    mp.spawn(worker, args=(args.tp * args.cp, port, args), nprocs=args.tp * args.cp,
-             join=True)
+    # Megatron's rank order: TP ranks adjacent, then CP, then DP
+    world = args.tp * args.cp * args.dp
+    mp.spawn(worker, args=(world, port, args), nprocs=world, join=True)
+
+
+def check_replan_options(args: argparse.Namespace) -> None:
+    """Re-planning needs a result's plans; refuse what would be ignored or ambiguous."""
+    given = [f"--{n.replace('_', '-')}" for n in ("control_file", "switch_log")
+             if getattr(args, n)]
+    if args.straggler_slowdown != 1.0:
+        given.append("--straggler-slowdown")
+    if given and not args.result:
+        fail(f"{given[0]} needs --result (a plan file holds one plan: nothing to switch "
+             f"to)")
+    if args.straggler_slowdown < 1.0:
+        fail("--straggler-slowdown must be at least 1 (1: no straggler)")
+    if args.straggler_slowdown != 1.0 and not 0 <= args.straggler_replica < args.dp:
+        fail(f"--straggler-replica {args.straggler_replica} is not one of the --dp "
+             f"{args.dp} replicas (0 to {args.dp - 1})")
+    if args.compare_plain and args.dp > 1:
+        fail("--compare-plain compares one replica's gradients: drop --dp or it")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,16 @@ backward. Loss per step is printed by rank 0.
     python examples/train_tiny.py --backend nccl        # GPUs, NCCL
     python examples/train_tiny.py --plan runs/kareus-1/plans/kareus-010.json  # its knobs
     python examples/train_tiny.py --plan P.json --clock-log DIR   # where clocks are logged
+    python examples/train_tiny.py --result runs/kareus-1 --control-file F  # re-plan
+    python examples/train_tiny.py --result runs/kareus-1 --switch-to kareus-012 --switch-at 3
+
+With --result, the run re-plans while it trains (docs/runtime.md, "Re-planning while
+training"): a `PlanSwitcher` over the result's plans of the start plan's method (--plan ID,
+default its fastest Kareus plan) switches at iteration boundaries when the control file
+(read on rank 0, broadcast) asks, or when the training loop asks (--switch-to ID at
+--switch-at N: the programmatic trigger, `PlanSwitcher.request`); the layers take the new
+plan's settings and the controller its clocks, and the clock log marks every iteration
+("# iteration N plan ID").
 
 The model is tiny (2 layers, hidden 64) and learns a fixed random batch, so the loss falls
 within a few steps. The controller's log (direction, microbatch, MHz per instruction) is
@@ -96,6 +106,23 @@ def layer_plan(parts: dict[str, Partition], plan_file: str | None
                           instruction_freqs=clocks))
 
 
+def control(path: str | None):
+    """The control file's new request, read on rank 0 and broadcast (a malformed file is
+    a warning there: training goes on)."""
+    from kareus.errors import KareusError
+    from kareus.runtime.plan_switcher import read_control_file
+
+    box = [None]
+    if path and dist.get_rank() == 0:
+        try:
+            box[0] = read_control_file(path)
+        except KareusError as exc:
+            print(f"train_tiny: warning: control file ignored: {exc}", flush=True)
+    if path:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def worker(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(args.backend, rank=rank, world_size=world)
@@ -104,7 +131,16 @@ def worker(rank, world, port, args):
         torch.cuda.set_device(rank)
     try:
         parts = Workload.build(job(world)).partitions.partitions
-        lplan, eplan = layer_plan(parts, args.plan)
+        switcher = None
+        if args.result:
+            from kareus.results.switching import switcher_from_result
+
+            switcher = switcher_from_result(args.result, args.plan,
+                                            args.switch_log if rank == 0 else None)
+            eplan = switcher.current.execution
+            lplan = LayerPlan.from_plan(eplan, parts)
+        else:
+            lplan, eplan = layer_plan(parts, args.plan)
         model = TinyLlama(dist.group.WORLD, device)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         g = torch.Generator().manual_seed(123)
@@ -114,6 +150,18 @@ def worker(rank, world, port, args):
             pass
         with FrequencyController(eplan, stage=0, dry_run=True, log_path=log) as clocks:
             for step in range(args.steps):
+                if switcher is not None:  # an iteration boundary
+                    if args.switch_to and step == args.switch_at:
+                        switcher.request(plan=args.switch_to)
+                    new = switcher.boundary(step, control(args.control_file)
+                                            if step else None)
+                    if new is not None:
+                        lplan = LayerPlan.from_plan(new.execution, parts)
+                        clocks.plan = new.execution
+                        if rank == 0:
+                            print(f"iteration {step}: plan {new.id} "
+                                  f"({switcher.switches[-1]['reason']})", flush=True)
+                    clocks.mark_iteration(step, switcher.current.id)
                 opt.zero_grad()
                 total = 0.0
                 for m in range(MICROBATCHES):  # one stage: forward then backward per mb
@@ -142,13 +190,42 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--plan", help="a Kareus plan file: use its partition settings")
+    ap.add_argument("--plan", metavar="FILE|ID",
+                    help="a Kareus plan file: use its partition settings; with --result, "
+                         "the id of the plan to start on")
+    ap.add_argument("--result", metavar="DIR", help="re-plan among a result's plans")
+    ap.add_argument("--control-file", metavar="F",
+                    help='with --result: {"plan": ID}, {"deadline_s": S} or '
+                         '{"power_cap_kw": KW}, read at every iteration boundary')
+    ap.add_argument("--switch-to", metavar="ID",
+                    help="with --result: ask the switcher for this plan (programmatic)")
+    ap.add_argument("--switch-at", type=int, default=1, metavar="N",
+                    help="the iteration --switch-to asks at (default 1)")
+    ap.add_argument("--switch-log", metavar="PATH",
+                    help="with --result: the switches (default: in the clock-log "
+                         "directory)")
     ap.add_argument("--clock-log", metavar="DIR",
                     help="directory of the dry-run frequency controller's logs (one per "
                          "rank: direction, microbatch, MHz per instruction; each run "
                          "rewrites them; default: a new temporary directory)")
     args = ap.parse_args()
-    if args.plan:  # a bad plan file is one line here, not a traceback in every worker
+    if not args.result and (args.control_file or args.switch_to or args.switch_log):
+        sys.stderr.write("train_tiny: error: --control-file, --switch-to and --switch-log "
+                         "need --result\n")
+        sys.exit(2)
+    if args.result:  # a bad result or start plan is one line here
+        from kareus.errors import KareusError
+        from kareus.results.switching import switcher_from_result
+
+        try:
+            switcher = switcher_from_result(args.result, args.plan)
+            if args.switch_to and args.switch_to not in switcher.plans:
+                raise KareusError(f"--switch-to {args.switch_to}: not a plan of "
+                                  f"{switcher.current.method} in {args.result}")
+        except KareusError as exc:
+            sys.stderr.write(f"train_tiny: error: {exc}\n")
+            sys.exit(2)
+    elif args.plan:  # a bad plan file is one line here, not a traceback in every worker
         from kareus.core.jsonfile import read_json_object
         from kareus.errors import KareusError
         from kareus.plans.plan import Plan
@@ -169,6 +246,10 @@ def main() -> None:
         args.clock_log = tempfile.mkdtemp(prefix="kareus-example-clocks-")
     print(f"clock log (dry run, one file per rank): {clock_log(args.clock_log, '<N>')}",
           flush=True)
+    if args.result:
+        args.switch_log = args.switch_log or os.path.join(args.clock_log,
+                                                          "kareus-example-switches.jsonl")
+        print(f"switch log: {args.switch_log}", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

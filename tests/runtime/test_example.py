@@ -87,3 +87,42 @@ def test_a_missing_plan_file_is_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"train_tiny: error: plan not found: {tmp_path / 'none.json'}"]
+
+
+def test_the_example_re_plans_on_a_control_file_and_a_programmatic_request(tmp_path):
+    """--result: the control file (read from iteration 1) and --switch-to at iteration 3
+    switch every rank; the clock logs mark each iteration's plan and follow its clocks."""
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {name: t, hidden_size: 64, num_layers: 2, num_attention_heads: 4,"
+                   " num_kv_heads: 2, head_dim: 16, ffn_hidden_size: 128, vocab_size: 97}\n"
+                   "tp: 2\npp: 1\nmicro_batch_size: 4\nseq_length: 32\nnum_microbatches: 2\n"
+                   "gpu: A40\ngpus_per_node: 2\nnodes: 1\n")
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "kareus.cli", "optimize", "--config",
+                           str(job), "--budget", "20", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plans = {p.stem: json.loads(p.read_text()) for p in (out / "plans").glob("kareus-*.json")}
+    fastest = min(plans.values(), key=lambda p: (p["time_s"], p["energy_j"]))["id"]
+    least = min(plans.values(), key=lambda p: (p["energy_j"], p["time_s"]))["id"]
+    control = tmp_path / "control.json"
+    control.write_text(json.dumps({"plan": least}))
+    logs = tmp_path / "logs"
+    r = _run("--result", str(out), "--control-file", str(control), "--switch-to", fastest,
+             "--switch-at", "3", "--clock-log", str(logs))
+    assert len(_losses(r)) == STEPS
+    want = [fastest, least, least, fastest, fastest]
+    for rank in (0, 1):
+        lines = (logs / f"kareus-example-clocks-rank{rank}.log").read_text().splitlines()
+        marks = [line.split()[-1] for line in lines if line.startswith("# iteration ")]
+        assert marks == want
+        clocks = [line for line in lines if not line.startswith("#")]
+        for it, plan_id in enumerate(want):
+            freqs = {(e["microbatch"], e["direction"]): e["freq_mhz"]
+                     for e in plans[plan_id]["execution"]["instruction_freqs"]}
+            assert clocks[4 * it:4 * it + 4] == [f"{d} {m} {freqs[(m, d)]}" for m in (0, 1)
+                                                 for d in ("forward", "backward")]
+    switches = [json.loads(x) for x in
+                (logs / "kareus-example-switches.jsonl").read_text().splitlines()]
+    assert [(s["iteration"], s["new"], s["reason"]) for s in switches] == [
+        (1, least, "control file"), (3, fastest, "programmatic")]

@@ -64,3 +64,26 @@ def test_a_dead_controller_is_reported(tmp_path):
     ctl._proc.join()
     with pytest.raises(KareusError, match="died"):
         ctl.before_forward(0)
+
+
+def test_iteration_markers_show_which_plans_clocks_ran_when(tmp_path):
+    """A re-planner swaps the controller's plan between iterations and marks each one: the
+    log says which plan's clocks ran in which iteration, the clock lines as before."""
+    first = _plan(pp=1, mbs=2)
+    second = ExecutionPlan("q", overlap=True, default_freq_mhz=1410,
+                           instruction_freqs={k: f - 300 for k, f in
+                                              first.instruction_freqs.items()})
+    log = tmp_path / "x.log"
+    with FrequencyController(first, 0, dry_run=True, log_path=log) as ctl:
+        for it, plan in enumerate((first, second)):
+            ctl.plan = plan
+            ctl.mark_iteration(it, plan.name)
+            for m in range(2):
+                ctl.before_forward(m)
+                ctl.before_backward(m)
+    want = []
+    for it, plan in enumerate((first, second)):
+        want.append(f"# iteration {it} plan {plan.name}")
+        want += [f"{d} {m} {plan.freq(0, m, d)}" for m in range(2)
+                 for d in ("forward", "backward")]
+    assert log.read_text().splitlines() == want

@@ -273,12 +273,15 @@ def plan_export(
     plan_id: PlanOpt,
     out: Annotated[str, typer.Option("--out", help="File to write.")],
     fmt: Annotated[str, typer.Option(
-        "--format", help="zeus (frequency schedule for Zeus's server) or json.")] = "json",
+        "--format", help="zeus (frequency schedule for Zeus's server: one schedule for the "
+                         "whole run, no re-planning while training) or json.")] = "json",
     force: Annotated[bool, typer.Option(
         "--force", help="Overwrite --out if it exists (never a result directory's own "
                         "files).", metavar="")] = False,
 ) -> None:
-    """Write a plan as Kareus JSON or as a Zeus pipeline frequency schedule."""
+    """Write a plan as Kareus JSON or as a Zeus pipeline frequency schedule (Zeus's server
+    serves one schedule: re-planning while training needs the result directory and
+    Kareus's runtime, docs/runtime.md)."""
     rd = ResultDir(result)
     path = _out_file(rd, result, out, "--out", force)
     p, job = _read_plan(rd, result, plan_id)

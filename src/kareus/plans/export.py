@@ -7,7 +7,10 @@ pipeline stage of ("forward" | "backward", MHz) pairs in the stage's execution o
 write that literal with `repr` of plain lists, tuples, strings and ints; Kareus itself
 never evaluates files. That scheduler runs plain 1F1B, one model chunk per stage: a plan of
 an interleaved pipeline (``virtual_pipeline > 1``) is refused; its JSON export (whose job
-carries ``virtual_pipeline``) runs it.
+carries ``virtual_pipeline``) runs it. Zeus's server serves one schedule for the whole run:
+re-planning while training (kareus.runtime.plan_switcher: a new deadline, power cap or a
+straggler's pace) is not available through this export; it needs the result directory and
+Kareus's runtime (docs/runtime.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ The training process calls `before_forward(microbatch)` / `before_backward(micro
 model chunk, `before_forward(microbatch, chunk)`, and the controller was given ``pp``);
 each call only puts the wanted clock on a queue, so training never blocks on NVML. A
 child process applies it: in dry-run mode it only logs what it would set (one line per
-instruction: direction, microbatch, MHz); for real it locks the SM clock through the
+instruction: direction, microbatch, MHz; and, where the training loop marks them, one
+"# iteration N plan ID" line per iteration, so a log shows whose clocks ran when); for
+real it locks the SM clock through the
 clock guard, which resets the clocks when the controller stops, when the child is
 interrupted or terminated, and when the training process dies (the child notices its
 parent is gone and exits through the guard).
@@ -25,8 +27,9 @@ from typing import IO, Any
 from kareus.errors import KareusError
 from kareus.plans.execution import ExecutionPlan
 
-Message = tuple[str, int, int] | None
-"""(direction, microbatch, MHz), or None: stop."""
+Message = tuple[str, int, int] | str | None
+"""(direction, microbatch, MHz); a line for the log alone (an iteration marker); or None:
+stop."""
 
 
 def _child(q: Queue[Message], gpu_index: int, dry_run: bool, log_path: str | None,
@@ -57,6 +60,10 @@ def _loop(q: Queue[Message], apply: Callable[[int], Any], log: IO[str] | None,
             continue
         if msg is None:
             return
+        if isinstance(msg, str):  # a marker: logged in order with the clocks, applies none
+            if log:
+                log.write(msg + "\n")
+            continue
         direction, microbatch, mhz = msg
         apply(mhz)
         if log:
@@ -112,10 +119,13 @@ class FrequencyController:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _send(self, direction: str, microbatch: int, chunk: int) -> None:
-        if chunk and self.pp < 2:  # an interleaved pipeline has pp >= 2 (JobSpec)
-            raise KareusError(f"model chunk {chunk} of an interleaved pipeline: give the "
-                              f"FrequencyController its pp")
+    def mark_iteration(self, iteration: int, plan_id: str) -> None:
+        """Log "# iteration N plan ID" before the iteration's clocks: which plan's clocks
+        (``self.plan``, which a re-planner may swap between iterations) run from here."""
+        self._ready()
+        self._queue().put(f"# iteration {iteration} plan {plan_id}")
+
+    def _ready(self) -> None:
         if self._proc is None:
             self.start()
         elif not self._proc.is_alive():
@@ -123,6 +133,12 @@ class FrequencyController:
             self._proc = None
             raise KareusError(f"the frequency controller died (status {code}); clocks are "
                               f"not following the plan")
+
+    def _send(self, direction: str, microbatch: int, chunk: int) -> None:
+        if chunk and self.pp < 2:  # an interleaved pipeline has pp >= 2 (JobSpec)
+            raise KareusError(f"model chunk {chunk} of an interleaved pipeline: give the "
+                              f"FrequencyController its pp")
+        self._ready()
         mhz = self.plan.freq(self.stage + chunk * self.pp, microbatch, direction)
         self._queue().put((direction, microbatch, mhz))
 

@@ -25,6 +25,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from torch import Tensor
 
 from kareus.errors import SpecError
+from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.pieces import Before
 
@@ -228,3 +229,20 @@ class MegatronCPOps(MegatronLayerOps):
         with self.layer._kareus_piece(before, taps):
             out, self._attn_bias = self.layer.self_attention.linear_proj(o)
         return out
+
+
+def cp_mismatch(layer: Any, job: JobSpec) -> list[str]:
+    """How the layer's CP communication differs from the plan's job's: all-gather CP runs
+    Kareus's CP partitions (the layer's core attention lets the schedule gather), p2p keeps
+    Transformer Engine's ring inside the attention op (TP partitions only)."""
+    if job.cp <= 1:
+        return []
+    core = type(layer.self_attention.core_attention).__name__
+    if runs_cp_partitions(layer) and job.cp_ring:
+        return [f"core attention {core}, whose K/V collectives are Kareus partitions (the "
+                f"plan's job: cp_comm_type p2p, the ring inside the attention op)"]
+    if not runs_cp_partitions(layer) and not job.cp_ring:
+        return [f"core attention {core}, which keeps its CP communication inside (the "
+                f"plan's job: cp_comm_type allgather, Kareus's CP partitions: use "
+                f"KareusCPCoreAttention)"]
+    return []

@@ -34,7 +34,7 @@ import torch
 from kareus.core import InstructionId
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError, SpecError
-from kareus.integrations.megatron.ops import runs_cp_partitions
+from kareus.integrations.megatron.ops import cp_mismatch
 from kareus.integrations.megatron.order import (
     Instruction,
     check_job,
@@ -89,10 +89,7 @@ class MegatronPlan:
         self._handles: list[Any] = []
         self._current = [0] * self.vp
         """Per chunk, the microbatch of its latest forward."""
-        self._plans = {(c * self.pp + stage, m, d): self._layer_plan(c * self.pp + stage,
-                                                                     m, d)
-                       for c in range(self.vp) for m in range(job.num_microbatches)
-                       for d in ("forward", "backward")}
+        self._plans = self._layer_plans(plan)
 
     @classmethod
     def from_file(cls, path: str | Path, stage: int, **kwargs: Any) -> MegatronPlan:
@@ -111,7 +108,32 @@ class MegatronPlan:
         plan, job = ResultDir(result).read_plan(plan_id)
         return cls(plan, validate_job(dict(job)), stage, **kwargs)
 
-    def _layer_plan(self, stage: int, microbatch: int, direction: str) -> LayerPlan | None:
+    def _layer_plans(self, plan: Plan) -> dict[InstructionId, LayerPlan | None]:
+        return {(c * self.pp + self.stage, m, d): self._layer_plan(plan, c * self.pp
+                                                                   + self.stage, m, d)
+                for c in range(self.vp) for m in range(self.job.num_microbatches)
+                for d in ("forward", "backward")}
+
+    def use(self, plan: Plan) -> None:
+        """Run ``plan``, another plan of the same job, from the next instruction on: only
+        at an iteration boundary (a switch mid-iteration would run one iteration on two
+        plans' schedules). It swaps the layers' settings and the controller's clocks; the
+        SM counts' communicators exist from the start (`PlanSwitcher.sms_used`)."""
+        if self.position not in (0, len(self.instructions)):
+            raise KareusError(f"plan {plan.id} cannot start mid-iteration: stage "
+                              f"{self.stage} has run {self.position} of plan {self.plan.id}'s"
+                              f" {len(self.instructions)} instructions; switch plans "
+                              f"between iterations")
+        if rank_instructions(plan, self.job, self.stage) != self.instructions:
+            raise SpecError(f"plan {plan.id} runs stage {self.stage}'s instructions in "
+                            f"another order than plan {self.plan.id}: not a plan of the "
+                            f"same job and schedule")
+        self._plans, self.plan = self._layer_plans(plan), plan
+        if self.controller is not None:
+            self.controller.plan = plan.execution
+
+    def _layer_plan(self, plan: Plan, stage: int, microbatch: int, direction: str
+                    ) -> LayerPlan | None:
         """What the layers of virtual stage ``stage`` run from the mark of ``direction``
         of ``microbatch`` on.
 
@@ -122,7 +144,7 @@ class MegatronPlan:
         partitions included: under full recompute the forward is re-run inside the
         backward instruction, at its clock, and that re-run's settings drive the
         backward; None where the plan runs the backward Megatron-style."""
-        ex = self.plan.execution
+        ex = plan.execution
         bwd = layer_plan_for(ex, self.partitions, (stage, microbatch, "backward"),
                              self.default_sms)
         if direction == "backward":
@@ -272,7 +294,7 @@ class MegatronPlan:
         if sp != self.job.sequence_parallel:  # other collectives, other partitions
             wrong.append(f"sequence_parallel {sp} (the plan's job: "
                          f"{'' if self.job.sequence_parallel else 'no '}sequence parallelism)")
-        wrong += _cp_mismatch(layer, self.job)
+        wrong += cp_mismatch(layer, self.job)
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 
@@ -364,23 +386,6 @@ class MegatronPlan:
                               f"{len(self.instructions)} instructions on stage {self.stage}")
         self.position = 0
         self.iterations += 1
-
-
-def _cp_mismatch(layer: Any, job: JobSpec) -> list[str]:
-    """How the layer's CP communication differs from the plan's job's: all-gather CP runs
-    Kareus's CP partitions (the layer's core attention lets the schedule gather), p2p keeps
-    Transformer Engine's ring inside the attention op (TP partitions only)."""
-    if job.cp <= 1:
-        return []
-    core = type(layer.self_attention.core_attention).__name__
-    if runs_cp_partitions(layer) and job.cp_ring:
-        return [f"core attention {core}, whose K/V collectives are Kareus partitions (the "
-                f"plan's job: cp_comm_type p2p, the ring inside the attention op)"]
-    if not runs_cp_partitions(layer) and not job.cp_ring:
-        return [f"core attention {core}, which keeps its CP communication inside (the "
-                f"plan's job: cp_comm_type allgather, Kareus's CP partitions: use "
-                f"KareusCPCoreAttention)"]
-    return []
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:
