@@ -367,26 +367,44 @@ class Replan:
         from kareus.results.switching import switcher_from_result
 
         self.cpu, self.rank, self.plan = args.backend == "gloo", rank, plan
+        self.replica = replica
         self.slowdown = (args.straggler_slowdown if replica == args.straggler_replica
                          else 1.0)
-        self.log = args.switch_log if rank == 0 else None
+        # pace switches differ by replica: the first rank of each writes its replica's log
+        self.first = rank % (args.tp * args.cp) == 0  # one stage: a replica's ranks in a row
+        self.log = switch_log(args.switch_log, replica) if self.first else None
         self.switcher = switcher_from_result(args.result, args.start_plan, self.log)
-        group = (parallel_state.get_tensor_and_context_parallel_group()
-                 if args.tp * args.cp > 1 else None)  # one stage: the replica's ranks
-        self.replanner = Replanner(plan, self.switcher, args.control_file, group,
-                                   "cpu" if self.cpu else torch.device("cuda", rank))
+        self.args, self.replanner_cls = args, Replanner
+        self.group = (parallel_state.get_tensor_and_context_parallel_group()
+                      if args.tp * args.cp > 1 else None)  # one stage: the replica's ranks
+
+    def start(self) -> None:
+        """The replanner, once the layers have their communicators (it checks that every
+        SM count of every plan has one)."""
+        self.replanner = self.replanner_cls(
+            self.plan, self.switcher, self.args.control_file, self.group,
+            "cpu" if self.cpu else torch.device("cuda", self.rank))
 
     def boundary(self, step: int, observed_s: float | None) -> None:
         old = self.plan.plan.id
         new = self.replanner.boundary(step, observed_s)
-        if new is not None and self.rank == 0:
+        if new is not None and self.first:
             why = self.switcher.switches[-1]
-            print(f"iteration {step}: plan {old} -> {new.id} ({why['reason']}: "
-                  f"{why['why']})", flush=True)
+            print(f"iteration {step}: replica {self.replica}: plan {old} -> {new.id} "
+                  f"({why['reason']}: {why['why']})", flush=True)
 
     def observed(self, compute_s: float) -> float:
         """The iteration time of the step that ran, the running plan's."""
         return self.plan.plan.time_s * self.slowdown if self.cpu else compute_s
+
+
+def switch_log(path: str, replica: int) -> str:
+    """Replica ``replica``'s switch log: ``path`` for replica 0, ``path`` with
+    ``-replica<K>`` before its extension for the others."""
+    if replica == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-replica{replica}{ext}"
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -455,6 +473,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 for layer in plan.layers:
                     layer.kareus_groups_by_sms = tp_groups
                     layer.kareus_cp_groups_by_sms = cp_groups
+            if replan is not None:
+                replan.start()
             with controller:
                 losses, errors = train(model, data, args.steps, args.lr, args.cp, cp_rank,
                                        avg_group, plan, reference, replan)
@@ -581,11 +601,15 @@ def main() -> None:
         args.switch_log = args.switch_log or os.path.join(
             args.clock_log, "kareus-megatron-switches.jsonl")
         try:
-            with open(args.switch_log, "w"):  # this run's switches only (appended)
-                pass
+            for replica in range(args.dp):  # this run's switches only (appended)
+                with open(switch_log(args.switch_log, replica), "w"):
+                    pass
         except OSError as exc:
             fail(f"--switch-log {args.switch_log}: {exc.strerror}")
-        print(f"switch log: {args.switch_log}", flush=True)
+        print(f"switch log: {args.switch_log}"
+              + (f" (replica 0; the others' beside it: "
+                 f"{os.path.basename(switch_log(args.switch_log, 1))}, ...)"
+                 if args.dp > 1 else ""), flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

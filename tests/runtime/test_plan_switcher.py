@@ -355,3 +355,16 @@ def test_the_straggler_keeps_the_operators_plan_even_where_a_faster_one_is_cheap
     other = PlanSwitcher(plans, "p0", patience=1)
     assert _run(other, [(1.5, 1.0)]) == ["slow"]
     assert _run(other, [(1.2, 1.2)], start=2) == ["p0"]  # now the slowest: back to base
+
+
+def test_a_control_file_nested_too_deeply_is_one_line(tmp_path):
+    """json's recursion limit is an error like any other malformed file (rank 0 must
+    not die while the others wait in the broadcast)."""
+    from kareus.errors import KareusError
+    from kareus.runtime.plan_switcher import read_control_file
+
+    path = tmp_path / "control.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(KareusError, match="nested too deeply") as info:
+        read_control_file(path)
+    assert "\n" not in str(info.value)

@@ -97,6 +97,9 @@ class ControlFile:
         self._seen = key
         try:
             doc = json.loads(data.decode("utf-8"))
+        except RecursionError:
+            raise KareusError(f"control file {self.path}: nested too deeply to be a "
+                              f"request") from None
         except (UnicodeDecodeError, ValueError) as exc:
             raise KareusError(f"control file {self.path}: not JSON "
                               f"({str(exc).splitlines()[0] if str(exc) else 'empty'})"

@@ -177,3 +177,26 @@ def test_use_mid_iteration_is_refused_in_one_line(result):
          else mp._on_backward(0, m, [], torch.zeros(1)))
     mp.use(new)  # at the boundary
     assert mp.plan.id == other
+
+
+def test_a_switcher_whose_sm_counts_have_no_communicator_is_refused_at_start():
+    """Under NCCL every SM count of every plan the switcher may choose needs its
+    communicator before training (none is created mid-run): a missing one is refused
+    when the replanner is made, not at the switch that would need it."""
+    from types import SimpleNamespace
+
+    from kareus.errors import SpecError
+    from kareus.integrations.megatron.replan import _check_switchable
+
+    def groups(sms):
+        if sms != 3:
+            raise KeyError(sms)
+        return "group"
+
+    layer = SimpleNamespace(kareus_groups_by_sms=groups, kareus_cp_groups_by_sms=None)
+    plan = SimpleNamespace(layers=[layer], default_sms=32, plan=SimpleNamespace(id="a"))
+    ok = SimpleNamespace(plans={}, sms_used=lambda default: {3})
+    _check_switchable(plan, ok)
+    short = SimpleNamespace(plans={}, sms_used=lambda default: {3, 7})
+    with pytest.raises(SpecError, match=r"no communicator for 7 SMs \(kareus_groups_by_sms\)"):
+        _check_switchable(plan, short)

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kareus.errors import KareusError
+from kareus.errors import KareusError, SpecError
+from kareus.integrations.megatron.order import rank_instructions
 from kareus.integrations.megatron.plan import MegatronPlan
 from kareus.plans.plan import Plan
 from kareus.runtime.plan_switcher import Pace, PlanSwitcher, read_control_file
@@ -45,6 +46,7 @@ class Replanner:
         if plan.plan.id != switcher.current.id:
             raise KareusError(f"the switcher starts on plan {switcher.current.id}, the "
                               f"Megatron plan runs {plan.plan.id}")
+        _check_switchable(plan, switcher)
         self.plan, self.switcher = plan, switcher
         self.control_file = control_file
         self.replica_group = replica_group
@@ -53,8 +55,10 @@ class Replanner:
     def boundary(self, iteration: int, observed_s: float | None = None) -> Plan | None:
         """At the start of iteration ``iteration`` (every rank, every iteration, the first
         too: it marks the clock log): ``observed_s`` is the time this rank observed for the
-        previous iteration (None: no pace, as before the first one). The plan switched
-        to, or None."""
+        previous iteration, its forwards and backwards WITHOUT the wait at the gradient
+        sync (None: no pace, as before the first one): a time that includes the wait is
+        the straggler's on every replica, and then no replica ever moves. The plan
+        switched to, or None."""
         mp = self.plan
         if mp.position not in (0, len(mp.instructions)):
             raise KareusError(f"re-planning mid-iteration: stage {mp.stage} has run "
@@ -91,3 +95,30 @@ class Replanner:
         own = float(t.item())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return Pace(slowest=float(t.item()), own=own)
+
+
+def _check_switchable(plan: MegatronPlan, switcher: PlanSwitcher) -> None:
+    """Every plan the switcher may choose runs this rank's instructions in the same order,
+    and every SM count they give a collective has its communicator already (under NCCL):
+    checked once at start, so that a switch never fails halfway through training (a rank
+    that failed to switch would run other communicators than its peers)."""
+    for other in switcher.plans.values():
+        if rank_instructions(other, plan.job, plan.stage) != plan.instructions:
+            raise SpecError(f"plan {other.id} runs stage {plan.stage}'s instructions in "
+                            f"another order than plan {plan.plan.id}: the switcher's plans "
+                            f"must be of one job and schedule")
+    needed = sorted(switcher.sms_used(plan.default_sms))
+    for layer in plan.layers:
+        for name in ("kareus_groups_by_sms", "kareus_cp_groups_by_sms"):
+            groups = getattr(layer, name, None)
+            if groups is None:  # gloo, or NCCL's own choice: the layer's own group
+                continue
+            for sms in needed:
+                try:
+                    groups(sms)
+                except KeyError:
+                    raise SpecError(
+                        f"no communicator for {sms} SMs ({name}), which the switcher's "
+                        f"plans use: create the groups with groups_by_sms(group, "
+                        f"switcher.sms_used(plan.default_sms)) before training"
+                    ) from None
