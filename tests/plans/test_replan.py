@@ -58,14 +58,23 @@ def test_hand_worked_straggler_reacting_one_iteration_late():
     assert s.time_without_s == pytest.approx(10 * 13 + 10)
 
 
-def test_hand_worked_straggler_shorter_than_the_reaction():
-    # slow for 1 iteration, reaction 2: the others switch only after it recovered
+def test_hand_worked_straggler_shorter_than_the_switch_in():
+    # slow for 1 iteration, the runtime's patience 2: the others never move (the pace
+    # did not hold), so re-planning is the run without it
     s = straggler_savings(PLANS, SHAPE, replicas=4, slowdown=1.3, duration_iterations=1,
-                          reaction_iterations=2)
-    assert s.energy_with_j == pytest.approx(2480 + 1930 + 2000)
-    assert s.energy_without_j == pytest.approx(2480 + 2 * 2000)
-    assert s.time_with_s == pytest.approx(13 + 12 + 10)
-    assert s.saved_j == pytest.approx(70)  # less energy, but 2 s lost
+                          reaction_iterations=1, switch_in_iterations=2)
+    assert s.energy_with_j == s.energy_without_j == pytest.approx(2480 + 2000)
+    assert s.time_with_s == s.time_without_s == pytest.approx(13 + 10)
+
+
+def test_hand_worked_straggler_switching_in_after_the_patience():
+    # slow for 10 iterations on a; the others move to b after 2 slow iterations and back
+    # 1 after the recovery
+    s = straggler_savings(PLANS, SHAPE, replicas=4, slowdown=1.3, duration_iterations=10,
+                          reaction_iterations=1, switch_in_iterations=2)
+    assert s.iterations == 11
+    assert s.energy_with_j == pytest.approx(2 * 2480 + 8 * 2090 + (580 + 3 * 450))
+    assert s.time_with_s == pytest.approx(10 * 13 + 12)
 
 
 @pytest.mark.parametrize("slowdown", [0.5, 1.0])
@@ -165,9 +174,9 @@ def frontiers(draw):
     return [FrontierPlan(f"p{i}", t, e) for i, (t, e) in enumerate(front)]
 
 
-def simulate(plans, shape, replicas, f, n, lag, p0):
+def simulate(plans, shape, replicas, f, n, lag, p0, lag_in):
     """Iteration by iteration, both runs: straggler slow for n, the others on the pace's
-    plan from iteration lag to n + lag."""
+    plan from iteration lag_in to n + lag where the pace held for lag_in iterations."""
     pace = max(f, 1.0) * p0.time_s
     fits = [p for p in plans if p.time_s <= pace * (1 + 1e-12) and p.energy_j < p0.energy_j]
     p1 = min(fits, key=lambda p: p.energy_j) if fits and replicas > 1 and f > 1 else p0
@@ -179,7 +188,7 @@ def simulate(plans, shape, replicas, f, n, lag, p0):
         for i in range(n + lag):
             slow = i < n
             strag_t = pace if slow else p0.time_s
-            others = p1 if replan and lag <= i < n + lag else p0
+            others = p1 if replan and lag_in < n and lag_in <= i < n + lag else p0
             t = max(strag_t, others.time_s)
             e = per[p0.id] + w * (strag_t - p0.time_s) + w * (t - strag_t)
             e += (replicas - 1) * (per[others.id] + w * (t - others.time_s))
@@ -191,11 +200,12 @@ def simulate(plans, shape, replicas, f, n, lag, p0):
 
 @settings(max_examples=150, deadline=None)
 @given(plans=frontiers(), f=st.floats(0.5, 4.0), replicas=st.integers(1, 16),
-       n=st.integers(1, 30), lag=st.integers(0, 3), data=st.data())
-def test_matches_a_per_iteration_simulation(plans, f, replicas, n, lag, data):
+       n=st.integers(1, 30), lag=st.integers(0, 3), lag_in=st.integers(0, 3),
+       data=st.data())
+def test_matches_a_per_iteration_simulation(plans, f, replicas, n, lag, lag_in, data):
     p0 = data.draw(st.sampled_from(plans))
-    s = straggler_savings(plans, SHAPE, replicas, f, n, p0.id, lag)
-    p1, runs = simulate(plans, SHAPE, replicas, f, n, lag, p0)
+    s = straggler_savings(plans, SHAPE, replicas, f, n, p0.id, lag, lag_in)
+    p1, runs = simulate(plans, SHAPE, replicas, f, n, lag, p0, lag_in)
     assert s.p1.id == p1.id
     assert s.p1.time_s <= max(f, 1.0) * p0.time_s * (1 + 1e-12)
     assert (s.time_without_s, s.energy_without_j) == pytest.approx(runs[False], rel=1e-9)
@@ -210,7 +220,9 @@ def test_replanning_at_once_never_costs_energy_or_time(plans, f, replicas, n, da
     s = straggler_savings(plans, SHAPE, replicas, f, n, p0.id, reaction_iterations=0)
     assert s.time_with_s == pytest.approx(s.time_without_s, rel=1e-12)
     assert s.energy_with_j <= s.energy_without_j * (1 + 1e-12)
-    # late by L: the run is longer by the L recovered iterations on the slower plan
+    # late by L: the run is longer by the L recovered iterations on the slower plan,
+    # where the others switched at all (after L_in = 1 slow iteration)
     late = straggler_savings(plans, SHAPE, replicas, f, n, p0.id, reaction_iterations=1)
+    lost = max(0.0, late.p1.time_s - p0.time_s) if n > 1 else 0.0
     assert late.time_with_s - late.time_without_s == pytest.approx(
-        max(0.0, late.p1.time_s - p0.time_s), rel=1e-9, abs=1e-9 * late.time_without_s)
+        lost, rel=1e-9, abs=1e-9 * late.time_without_s)

@@ -26,6 +26,7 @@ from kareus.plans.units import (
 )
 from kareus.results.replan import replan_inputs
 from kareus.results.resultdir import ResultDir
+from kareus.runtime.plan_switcher import DEFAULT_PATIENCE
 
 
 @plan_app.command("replan-savings")
@@ -40,9 +41,13 @@ def replan_savings(
     replicas: Annotated[Optional[int], typer.Option(
         "--replicas", help="Data-parallel replicas (default: the job's DP).")] = None,
     reaction_iterations: Annotated[int, typer.Option(
-        "--reaction-iterations", help="Iterations the runtime runs the old plan after the "
-        "slowdown starts and after it ends (1: it learns the pace at the end of an "
+        "--reaction-iterations", help="Iterations the others still run the slower plan "
+        "after the slowdown ends (1: the runtime learns the pace at the end of an "
         "iteration; 0: the ideal bound).")] = 1,
+    switch_in_iterations: Annotated[int, typer.Option(
+        "--switch-in-iterations", help="Slow iterations before the others move to the "
+        "slower plan (the runtime switcher's patience; 0: the ideal bound).")
+    ] = DEFAULT_PATIENCE,
     cap_schedule: Annotated[Optional[str], typer.Option(
         "--cap-schedule", help="Power-cap schedule: ITERATION:KW or ITERATION:none steps, "
         "e.g. 0:none,2000:4.5,5000:none.")] = None,
@@ -87,7 +92,8 @@ def replan_savings(
         assert slowdown is not None and duration_iterations is not None
         strag = straggler_savings(plans, shape, replicas if replicas is not None
                                   else shape.result_replicas, slowdown,
-                                  duration_iterations, plan_id, reaction_iterations)
+                                  duration_iterations, plan_id, reaction_iterations,
+                                  switch_in_iterations)
         out["straggler"] = {**strag.to_dict(), "wait_power_w_per_gpu": shape.wait_power_w,
                             "gpus_per_replica": shape.gpus_per_replica}
     if steps is not None:
@@ -120,7 +126,8 @@ def _print_straggler(s: StragglerSavings, wait_w: float) -> None:
     console.print(f"saved {format_run_energy_j(s.saved_j)} ({s.saved_fraction * 100:.2f}%); "
                   f"time {format_duration_s(s.time_with_s - s.time_without_s)} longer "
                   f"re-planned; waiting GPUs at {wait_w:g} W (the plans' static power); "
-                  f"reaction {s.reaction_iterations} iteration(s)")
+                  f"the others switch after {s.switch_in_iterations} slow iteration(s) and "
+                  f"back {s.reaction_iterations} after")
 
 
 def _print_caps(r: CapScheduleRun, idle_w: float, window_s: float) -> None:

@@ -6,10 +6,13 @@ slows by ``slowdown`` f for ``duration_iterations`` N. Every replica waits at th
 sync for the slowest, so an iteration takes f.T0 either way. Without re-planning the other
 replicas finish at T0 and wait f.T0 - T0; with re-planning they run P1, the least-energy
 plan whose time is at most f.T0 (what the runtime's pace trigger picks), and wait
-f.T0 - T1. A runtime learns the pace at the end of an iteration, so it switches
-``reaction_iterations`` L after the slowdown starts and switches back L after it ends: in
-those L iterations after the recovery the others still run P1 and the iteration takes T1
-(the recovered straggler waits). 0 is the ideal bound (the run's time unchanged).
+f.T0 - T1. A runtime learns the pace at the end of an iteration and moves to a slower plan
+only once the pace has held (its patience), so the others switch ``switch_in_iterations``
+L_in after the slowdown starts (never, when the slowdown is no longer than that), and
+switch back ``reaction_iterations`` L after it ends (moving faster is not delayed beyond
+learning the pace): in those L iterations after the recovery the others still run P1 and
+the iteration takes T1 (the recovered straggler waits). 0 and 0 is the ideal bound (the
+run's time unchanged).
 
 Energy of one replica-iteration of a plan: the plan's energy over the replicas its result
 covers (a result's energy is the whole job's: every data-parallel replica, each running
@@ -78,6 +81,7 @@ class StragglerSavings:
     slowdown: float
     duration_iterations: int
     reaction_iterations: int
+    switch_in_iterations: int
     iterations: int
     """The iterations the scenario covers: the slowdown's and the reaction after it."""
     time_without_s: float
@@ -101,6 +105,7 @@ class StragglerSavings:
                 "p1_time_s": self.p1.time_s, "replicas": self.replicas,
                 "slowdown": self.slowdown, "duration_iterations": self.duration_iterations,
                 "reaction_iterations": self.reaction_iterations,
+                "switch_in_iterations": self.switch_in_iterations,
                 "iterations": self.iterations, "time_without_s": self.time_without_s,
                 "time_with_s": self.time_with_s, "energy_without_j": self.energy_without_j,
                 "energy_with_j": self.energy_with_j, "wait_without_j": self.wait_without_j,
@@ -131,9 +136,11 @@ def pace_plan(plans: Sequence[FrontierPlan], p0: FrontierPlan, pace_s: float) ->
 
 def straggler_savings(plans: Sequence[FrontierPlan], shape: JobShape, replicas: int,
                       slowdown: float, duration_iterations: int,
-                      p0_id: str | None = None, reaction_iterations: int = 1
-                      ) -> StragglerSavings:
-    """The straggler scenario with and without re-planning (module docstring)."""
+                      p0_id: str | None = None, reaction_iterations: int = 1,
+                      switch_in_iterations: int | None = None) -> StragglerSavings:
+    """The straggler scenario with and without re-planning (module docstring);
+    ``switch_in_iterations`` None: ``reaction_iterations``."""
+    lag_in = reaction_iterations if switch_in_iterations is None else switch_in_iterations
     if replicas < 1:
         raise SpecError(f"--replicas must be at least 1, got {replicas}")
     if not (slowdown > 0 and math.isfinite(slowdown)):
@@ -141,8 +148,9 @@ def straggler_savings(plans: Sequence[FrontierPlan], shape: JobShape, replicas: 
     if duration_iterations < 1:
         raise SpecError(f"--duration-iterations must be at least 1, got "
                         f"{duration_iterations}")
-    if reaction_iterations < 0:
-        raise SpecError(f"--reaction-iterations must be 0 or more, got {reaction_iterations}")
+    if reaction_iterations < 0 or lag_in < 0:
+        raise SpecError(f"--reaction-iterations and --switch-in-iterations must be 0 or "
+                        f"more, got {reaction_iterations} and {lag_in}")
     p0 = plan_by_id(plans, p0_id)
     f = max(slowdown, 1.0)  # a faster replica sets no pace: the others set it
     t0 = p0.time_s
@@ -152,9 +160,11 @@ def straggler_savings(plans: Sequence[FrontierPlan], shape: JobShape, replicas: 
     n, lag, others = duration_iterations, reaction_iterations, replicas - 1
     straggler_j = e0 + w * (pace - t0)  # P0's work slowed: the same in both runs
     # iterations by (straggler slow?, others on P1?): slow and not yet switched, slow and
-    # switched, recovered and still switched, recovered and not yet switched (N < L)
-    a, b = min(n, lag), max(0, n - lag)
-    c, d = min(n, lag), max(0, lag - n)
+    # switched, recovered and still switched, recovered on P0 (the others never switched:
+    # the slowdown was no longer than L_in)
+    a, b = min(n, lag_in), max(0, n - lag_in)
+    c = lag if b > 0 else 0
+    d = lag - c
     iterations = n + lag
     time_without = n * pace + lag * t0
     energy_without = n * (straggler_j + others * (e0 + w * (pace - t0))) + lag * replicas * e0
@@ -169,8 +179,9 @@ def straggler_savings(plans: Sequence[FrontierPlan], shape: JobShape, replicas: 
                  + c * (w * (t_rec - t0) + others * w * (t_rec - p1.time_s)))
     if p1 == p0:  # nothing switches: the same run (not the same sum's rounding)
         time_with, energy_with, wait_with = time_without, energy_without, wait_without
-    return StragglerSavings(p0, p1, replicas, slowdown, n, lag, iterations, time_without,
-                            time_with, energy_without, energy_with, wait_without, wait_with)
+    return StragglerSavings(p0, p1, replicas, slowdown, n, lag, lag_in, iterations,
+                            time_without, time_with, energy_without, energy_with,
+                            wait_without, wait_with)
 
 
 # Power-cap schedule -------------------------------------------------------------------

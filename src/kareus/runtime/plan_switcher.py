@@ -31,6 +31,8 @@ SWITCH_LOG_SCHEMA_VERSION = 1
 CONTROL_KEYS = ("deadline_s", "power_cap_kw", "plan")
 """What a control file (or a programmatic request) may ask for: exactly one of them."""
 REASONS = ("control file", "programmatic", "pace")
+DEFAULT_PATIENCE = 2
+"""Boundaries a pace must hold before the others move to a slower plan."""
 PACE_ROUNDING = 1e-9
 """Relative slack of a pace target: base time x slowest / own lands an ulp under a plan
 whose time it equals (1.2 s x 1.5 is 1.7999999999999998 s), which still meets it."""
@@ -143,7 +145,7 @@ class PlanSwitcher:
     ``log_path`` (JSON lines, flushed and synced per line) and kept in ``switches``."""
 
     def __init__(self, plans: Sequence[Plan], start: str, log_path: str | Path | None = None,
-                 hysteresis: float = 0.05, patience: int = 2) -> None:
+                 hysteresis: float = 0.05, patience: int = DEFAULT_PATIENCE) -> None:
         if not plans:
             raise KareusError("the plan switcher needs at least one plan")
         self.plans: dict[str, Plan] = {}
