@@ -368,3 +368,17 @@ def test_a_control_file_nested_too_deeply_is_one_line(tmp_path):
     with pytest.raises(KareusError, match="nested too deeply") as info:
         read_control_file(path)
     assert "\n" not in str(info.value)
+
+
+def test_pace_keeps_to_the_operators_power_cap():
+    """Under a power cap, the others slow down only to plans under it: here the cheapest
+    plan within the pace ("hot") peaks over the cap, so they take the cheapest that fits."""
+    plans = [_plan("fast", 0.9, 120.0, 9000.0), _plan("p0", 1.0, 100.0, 7000.0),
+             _plan("ok", 1.3, 95.0, 6500.0), _plan("hot", 1.4, 80.0, 9500.0)]
+    sw = PlanSwitcher(plans, "fast", patience=1)
+    sw.request(power_cap_kw=7.0)
+    assert sw.boundary(1).id == "p0"  # the fastest under 7 kW
+    assert sw.boundary(2, pace=Pace(1.5, 1.0)).id == "ok"  # not "hot" (9.5 kW)
+    sw.request(plan="p0")  # a plan, no cap: the cap is lifted
+    assert sw.boundary(3).id == "p0"
+    assert sw.boundary(4, pace=Pace(1.5, 1.0)).id == "hot"

@@ -171,6 +171,9 @@ class PlanSwitcher:
         self.refused: list[str] = []
         """Every control document `boundary` refused (one line each; also logged as a
         warning): its plan unknown, or a power cap for plans without power."""
+        self.cap_w: float | None = None
+        """The operator's power cap in force (the last request's, None: none): pace moves
+        keep to plans under it."""
         self._pending: tuple[str, float | str, str] | None = None
         self._held = 0
         """Consecutive boundaries a pace move has been due."""
@@ -244,11 +247,14 @@ class PlanSwitcher:
 
     def for_pace(self, target_time_s: float) -> Plan:
         """The least-energy plan with time_s <= ``target_time_s`` (never slower than
-        asked, up to PACE_ROUNDING); ``base`` where the target is faster than base."""
+        asked, up to PACE_ROUNDING) and, under an operator's power cap, whose peak power
+        fits it; ``base`` where the target is faster than base."""
         limit = target_time_s * (1 + PACE_ROUNDING)
         if limit < self.base.time_s:
             return self.base
-        ok = [p for p in self.plans.values() if p.time_s <= limit]
+        ok = [p for p in self.plans.values() if p.time_s <= limit and (
+            self.cap_w is None or p is self.base
+            or (p.power is not None and p.power.peak_w <= self.cap_w))]
         return min(ok, key=lambda p: (p.energy_j, p.time_s))
 
     # Triggers --------------------------------------------------------------------------
@@ -307,6 +313,8 @@ class PlanSwitcher:
         if order is not None:
             choice, reason = order
             self.base, self._held = choice.plan, 0
+            cap_kw = choice.numbers.get("power_cap_kw")
+            self.cap_w = float(cap_kw) * 1e3 if cap_kw is not None else None
             return self._switch(iteration, choice, reason)
         if pace is not None:
             return self._pace(iteration, pace)

@@ -115,7 +115,8 @@ def test_a_control_file_switches_every_rank_at_the_next_iteration(controlled):
     [switch] = _switches(clocks)
     assert (switch["iteration"], switch["old"], switch["new"], switch["reason"]) == (
         1, start["id"], wanted["id"], "control file")
-    assert f"iteration 1: replica 0: plan {start['id']} -> {wanted['id']} (control file: " in done.stdout
+    assert (f"iteration 1: replica 0: plan {start['id']} -> {wanted['id']} (control file: "
+            in done.stdout)
 
 
 def test_a_switch_leaves_the_numerics_as_a_run_started_on_the_new_plan(
