@@ -12,7 +12,6 @@ numerics and wiring, never time or energy.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
@@ -28,6 +27,7 @@ from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
+from tests.integrations.megatron.test_layer import _layer_run, _port, _rel  # noqa: E402
 
 HIDDEN, HEADS, GROUPS, FFN, SEQ, BATCH = 32, 4, 2, 64, 16, 2
 CP_KEYS = ("fwd_qkv_ag", "fwd_ao_ag", "bwd_o_ag", "bwd_a_ag", "bwd_a_rs", "bwd_qkv_rs")
@@ -58,12 +58,6 @@ def _plans(tp: int) -> dict[str, dict[str, PartitionSetting]]:
     return plans
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tp: int, cp: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -75,21 +69,10 @@ def _config(tp: int, cp: int):
         attention_dropout=0.0, tensor_model_parallel_size=tp, context_parallel_size=cp)
 
 
-def _rel(a, b) -> float:
-    return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
-
-
 def _run(layer, x, dy, emb, checkpoint: bool):
-    layer.zero_grad()
-    xi = x.clone().requires_grad_(True)
-    if checkpoint:  # full recompute, as Megatron's block does it (reentrant)
-        out = torch.utils.checkpoint.checkpoint(
-            lambda h: layer(h, attention_mask=None, rotary_pos_emb=emb)[0], xi,
-            use_reentrant=True, preserve_rng_state=False)
-    else:
-        out, _ = layer(xi, attention_mask=None, rotary_pos_emb=emb)
-    out.backward(dy)
-    return out.detach(), xi.grad, [p.grad.clone() for p in layer.parameters()]
+    """test_layer's run, as (output, input gradient, parameter gradients)."""
+    out, dx, *grads = _layer_run(layer, x, dy, emb, checkpoint=checkpoint)
+    return out, dx, grads
 
 
 class _Calls:
