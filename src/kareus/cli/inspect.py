@@ -42,6 +42,13 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     if not ps.partitions:
         console.print(ps.none_reason, soft_wrap=True, markup=False, highlight=False)
         return
+    if job.sequence_split:  # say the split, and which partitions differ by nanobatch
+        split = [k for k, p in ps.partitions.items() if p.nanobatch is not None]
+        console.print(f"Sequence split: each nanobatch is one half of every sequence "
+                      f"({job.seq_length // 2} tokens); nanobatch 1's attention also reads "
+                      f"nanobatch 0's keys (3x its FLOPs), so these partitions differ by "
+                      f"nanobatch: {', '.join(split)}", soft_wrap=True, markup=False,
+                      highlight=False)
     nfreq = len(job.freqs_mhz)
     table = make_table(f"Partitions of {job.describe()}",
                        ("key", "direction", "collective", "MiB", "slots", "SMs", "per stage",
