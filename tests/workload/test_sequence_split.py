@@ -130,3 +130,13 @@ def test_partitions_command_says_the_split(cli):
     assert "Sequence split: each nanobatch is one half of every sequence (4096 tokens)" in r.out
     assert "fwd_attn_nb0, fwd_attn_nb1, bwd_attn_nb0, bwd_attn_nb1" in r.out
     assert "mbs 1 (sequence split)" in r.out
+
+
+def test_graph_command_shows_both_halves(cli):
+    r = cli("graph", "--model", "llama3.1-8b", "--tp", "4", "--pp", "2", "--mbs", "1",
+            "--seq", "8192", "--gpu", "H100-SXM", "--nodes", "1", "--json")
+    assert r.code == 0, r.err
+    layer = r.json()["layer"]
+    a0, a1 = (next(op for op in ops if op["name"] == "core_attn")
+              for ops in (layer["forward"], layer["nanobatch_1"]["forward"]))
+    assert a1["flops"] == 3 * a0["flops"] and a1["attn_keys"] == 2 * a0["attn_keys"]
