@@ -72,3 +72,19 @@ def test_sequential_instructions_run_the_plain_layer():
         ex, PARTS, (0, 0, "backward"))
     megatron = ExecutionPlan("m", overlap=False, default_freq_mhz=1410)
     assert layer_plan_for(megatron, PARTS, (0, 0, "forward")) is None
+
+
+def test_the_split_travels_with_the_plan_and_an_unknown_one_is_one_line():
+    import pytest
+
+    from kareus.errors import SpecError
+
+    ex = ExecutionPlan("s", overlap=True, default_freq_mhz=1410, default_slot=LAUNCH_FIRST)
+    assert LayerPlan.from_plan(ex, PARTS).split == "batch"
+    seq = layer_plan_for(ex, PARTS, (0, 0, "backward"), split="sequence")
+    assert seq is not None and seq.split == "sequence"
+    # the same settings as the batch split's: only the nanobatches differ
+    assert seq.settings == LayerPlan.from_plan(ex, PARTS, (0, 0, "backward")).settings
+    with pytest.raises(SpecError, match="nanobatch split 'rows': expected one of batch, "
+                                        "sequence"):
+        LayerPlan.from_plan(ex, PARTS, split="rows")

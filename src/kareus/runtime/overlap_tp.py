@@ -12,6 +12,12 @@ gradient hook on the forward tensor whose backward the slot names.
 The layer runs as the six pieces of kareus.runtime.pieces per nanobatch, differentiated
 piece by piece in the schedule's order; ``keep_graphs`` says whether their graphs are kept
 from the forward or rebuilt in the backward (see there).
+
+With a sequence split (``plan.split`` "sequence", micro-batch size 1) nanobatch 0 is the
+first half of the tokens and 1 the second, whose attention reads 0's kept keys and values;
+the backward runs the nanobatches the other way round (its gradients of 0's keys and
+values must reach 0's QKV backward): nb1.mlp' | nb0.mlp' + AR(dnb1) | nb1.attn' + AR(dnb0)
+| nb0.attn' + AR(dnb1) | AR(dnb0): the same keys and slots.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from kareus.runtime.pieces import (
     Grads,
     Nanobatch,
     TPLayerOps,
+    backward_order,
     no_slot,
     split,
+    split_dim,
 )
 from kareus.runtime.primitives import world_size
 
@@ -51,8 +59,8 @@ class OverlappedTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, ops: TPLayerOps, plan: LayerPlan, keep_graphs: bool,
                 *params: Tensor) -> Tensor:
-        dim = ops.batch_dim
-        nbs = split(x, ops)
+        dim = split_dim(ops, plan.split)
+        nbs = split(x, ops, plan.split)
         collective = _Collectives(ops, plan)
         with torch.enable_grad() if keep_graphs else torch.no_grad():
             y = _forward(nbs, collective, plan, dim)
@@ -67,8 +75,11 @@ class OverlappedTP(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         nbs: list[Nanobatch] = ctx.nbs
         grads = Grads(ctx.params)
-        dys = tuple(half.contiguous() for half in dy.chunk(2, dim=ctx.dim))
-        dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads, dys, ctx.dim)
+        dys = [half.contiguous() for half in dy.chunk(2, dim=ctx.dim)]
+        order = backward_order(ctx.plan)
+        dxs = _backward([nbs[i] for i in order], _Collectives(ctx.ops, ctx.plan), ctx.plan,
+                        grads, tuple(dys[i] for i in order))
+        dx = torch.cat([dxs[order.index(i)] for i in (0, 1)], dim=ctx.dim)
         sum_partial_grads(ctx.ops, grads)
         ctx.nbs = None  # the graphs go with the pass
         return (dx, None, None, None, *grads.sums)
@@ -141,7 +152,8 @@ def _forward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan, di
 
 
 def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
-              grads: Grads, dys: tuple[Tensor, ...], dim: int) -> Tensor:
+              grads: Grads, dys: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """The input gradients of ``nbs`` (nb0, nb1 here: in the backward's order)."""
     nb0, nb1 = nbs
     mlp_launch, attn_launch = plan.launch_op("bwd_mlp"), plan.launch_op("bwd_attn")
     # B0: nb0.mlp' (solo)
@@ -162,8 +174,8 @@ def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
     issue_at_end(c2)
     da0_full = c2.wait()
     da1_full = collective(da1, "bwd_attn").wait()  # exposed
-    return torch.cat([input_norm_backward(nb0, dx0, da0_full, grads),
-                      input_norm_backward(nb1, dx1, da1_full, grads)], dim=dim)
+    return (input_norm_backward(nb0, dx0, da0_full, grads),
+            input_norm_backward(nb1, dx1, da1_full, grads))
 
 
 def mlp_backward(nb: Nanobatch, dy: Tensor, grads: Grads, pending: Pending | None,
@@ -189,8 +201,7 @@ def _attn_backward(nb: Nanobatch, dh_res: Tensor, db_full: Tensor, grads: Grads,
     core = nb.pieces["attn_core"]
     hook_backward_slot(core.taps, launch if launch in BACKWARD_TAPS else None, pending)
     dx, dr = grads(nb.pieces["attn_res"], dh_res + gh)
-    da, = grads(core, dr)
-    return dx, da
+    return dx, nb.attn_core_backward(grads, dr)
 
 
 def input_norm_backward(nb: Nanobatch, dx_res: Tensor, da_full: Tensor, grads: Grads
