@@ -44,6 +44,12 @@ their gradients reduce-scattered are the CP partitions' collectives. Transformer
 own CP attention (its ring, ``cp_comm_type="p2p"``) is left whole: one compute op to the
 plan, whose partitions are then the TP ones.
 
+At micro-batch size 1 (or where the plan's job chooses it: ``kareus_nanobatch_split``)
+the two nanobatches are the sequence's halves instead (dimension 0): the schedule is
+`kareus.integrations.megatron.seq_split.OverlappedSeqTP`, nanobatch 1's core attention
+reading nanobatch 0's kept key and value; tensor parallelism only for now (with sequence
+or context parallelism it is refused in one line).
+
 Supported with a plan: tensor parallelism with or without sequence parallelism on
 Megatron's local modules (`get_gpt_layer_local_spec`) or Transformer Engine's
 (kareus.integrations.megatron.te: under SP the schedule gathers the pre-norm input of TE's
