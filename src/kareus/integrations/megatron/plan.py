@@ -217,6 +217,7 @@ class MegatronPlan:
         for layers in per_chunk.values():
             for layer in layers:
                 self._check_layer(layer)
+                layer.kareus_nanobatch_split = getattr(self.job, "nanobatch_split", None)
         self._check_controller()
         for c, chunk_model in pairs:
             self.chunks[c] = per_chunk[c]
