@@ -13,6 +13,7 @@ partitions are another branch's). CPU runs check numerics and wiring, never time
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import warnings
 
@@ -57,7 +58,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from megatron.core.transformer.spec_utils import build_module
 
     from kareus.integrations.megatron.cpu import rotary_embedding
-    from kareus.integrations.megatron.seq_split import MegatronSeqOps, OverlappedSeqTP
+    from kareus.integrations.megatron.seq_split import MegatronSeqOps
+    from kareus.runtime.overlap_tp import OverlappedTP
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
@@ -113,9 +115,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         kareus.zero_grad()
         xi = x1.clone().requires_grad_(True)
         params = [p for p in kareus.parameters() if p.requires_grad]
-        out = OverlappedSeqTP.apply(
-            xi, MegatronSeqOps(kareus, {"rotary_pos_emb": emb}, 1, SEQ),
-            kareus.kareus_plan, False, *params)
+        out = OverlappedTP.apply(
+            xi, MegatronSeqOps(kareus, {"rotary_pos_emb": emb}, 1),
+            dataclasses.replace(kareus.kareus_plan, split="sequence"), False, *params)
         out.backward(dy1)
         got = [out.detach(), xi.grad] + [p.grad.clone() for p in kareus.parameters()]
         res["rebuild_worst"] = max(_rel(a, b) for a, b in zip(got, ref))
@@ -209,8 +211,9 @@ def test_the_sequence_split_when_the_job_chooses_it_at_micro_batch_2(results):
 
 def test_what_the_sequence_split_cannot_run_is_refused_in_one_line(results):
     for res in results:
-        assert res["odd"] == ("SpecError: a Kareus plan splitting the sequence into two "
-                              f"nanobatches needs an even sequence length, not {SEQ - 1}")
+        assert res["odd"] == ("SpecError: the partitioned overlap splits the sequence "
+                              "(dimension 0) into two nanobatches: it needs an even size, "
+                              f"not {SEQ - 1}")
         for what, msg in res["refusals"].items():
             assert msg.startswith("SpecError: a Kareus plan cannot split the sequence into "
                                   "nanobatches with "), (what, msg)

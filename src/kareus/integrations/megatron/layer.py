@@ -45,8 +45,9 @@ own CP attention (its ring, ``cp_comm_type="p2p"``) is left whole: one compute o
 plan, whose partitions are then the TP ones.
 
 At micro-batch size 1 (or where the plan's job chooses it: ``kareus_nanobatch_split``)
-the two nanobatches are the sequence's halves instead (dimension 0): the schedule is
-`kareus.integrations.megatron.seq_split.OverlappedSeqTP`, nanobatch 1's core attention
+the two nanobatches are the sequence's halves instead (dimension 0): the schedule is the
+runtime's `OverlappedTP` with ``LayerPlan.split`` "sequence" over
+`kareus.integrations.megatron.seq_split.MegatronSeqOps`, nanobatch 1's core attention
 reading nanobatch 0's kept key and value; tensor parallelism only for now (with sequence
 or context parallelism it is refused in one line).
 
@@ -62,6 +63,7 @@ configuration.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,7 +82,7 @@ from kareus.integrations.megatron.ops import (
     cp_size,
     runs_cp_partitions,
 )
-from kareus.integrations.megatron.seq_split import MegatronSeqOps, OverlappedSeqTP, nanobatch_split
+from kareus.integrations.megatron.seq_split import MegatronSeqOps, nanobatch_split
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.overlap_cp_ops import OverlappedCPOps
@@ -181,11 +183,12 @@ class KareusTransformerLayer(TransformerLayer):
                                 f"supported: {SUPPORTED}")
         params = [p for p in self.parameters() if p.requires_grad]
         batch = hidden_states.shape[1]
-        if nanobatch_split(self, batch) == "sequence":
+        if nanobatch_split(self, batch, plan) == "sequence":
             self._check_sequence_split()
-            out = OverlappedSeqTP.apply(
-                hidden_states, MegatronSeqOps(self, kwargs, batch, hidden_states.shape[0]),
-                plan, torch.is_grad_enabled(), *params)
+            if plan.split != "sequence":  # chosen by the layer (micro-batch 1, the job)
+                plan = dataclasses.replace(plan, split="sequence")
+            out = OverlappedTP.apply(hidden_states, MegatronSeqOps(self, kwargs, batch),
+                                     plan, torch.is_grad_enabled(), *params)
         elif runs_cp_partitions(self):
             out = OverlappedCPOps.apply(hidden_states, MegatronCPOps(self, kwargs, batch),
                                         plan, torch.is_grad_enabled(), *params)
