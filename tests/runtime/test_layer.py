@@ -351,3 +351,40 @@ def test_sequence_split_refusals():
         OverlappedTP.apply(x, BatchOnly(), plan, False)
     with pytest.raises(SpecError, match="nanobatch split 'tokens'"):
         LayerPlan.from_partitions(PARTS, PLANS["last"], split="tokens")
+
+
+def test_the_planner_s_per_nanobatch_keys_set_the_collectives_of_the_computing_nanobatch(
+        monkeypatch):
+    """A sequence split's plan keys its attention partitions per nanobatch
+    (``fwd_attn_nb1``, ``bwd_attn_nb0``, ``bwd_attn_nb1``): each collective takes the SMs
+    of the partition whose compute it overlaps (backward: nanobatch 1 first); the exposed
+    ones the last partition's. A batch split's plan keeps the plain keys."""
+    from kareus.runtime import overlap_tp
+
+    seen: list[int] = []
+    real = overlap_tp.Pending
+
+    def recording(kind, tensor, group, sms=0, groups_by_sms=None):
+        seen.append(sms)
+        return real(kind, tensor, group, sms, groups_by_sms)
+
+    monkeypatch.setattr(overlap_tp, "Pending", recording)
+    layer = LlamaLayer(**SHAPE, seed=3)
+    params = tuple(layer.parameters())
+
+    def run(plan, x):
+        x = x.requires_grad_(True)
+        OverlappedTP.apply(x, layer, plan, True, *params).backward(torch.ones_like(x))
+
+    sms = {"fwd_attn_nb1": 11, "fwd_mlp": 13, "bwd_mlp": 14, "bwd_attn_nb0": 15,
+           "bwd_attn_nb1": 16}
+    run(LayerPlan({k: PartitionSetting(v, None) for k, v in sms.items()}, split="sequence"),
+        torch.randn(1, 8, 64))
+    # forward: AR(nb0.attn) | nb1.attn, AR(nb1.attn) | nb0.mlp, AR(nb0.mlp) | nb1.mlp, exposed
+    # backward: AR(db1) | nb0.mlp', AR(db0) | nb1.attn', AR(da1) | nb0.attn', exposed
+    assert seen == [11, 13, 13, 13, 14, 16, 15, 15]
+    seen.clear()
+    plain = {"fwd_attn": 3, "fwd_mlp": 4, "bwd_mlp": 5, "bwd_attn": 6}
+    run(LayerPlan({k: PartitionSetting(v, None) for k, v in plain.items()}),
+        torch.randn(2, 8, 64))
+    assert seen == [3, 4, 4, 4, 5, 6, 6, 6]

@@ -40,6 +40,13 @@ class LayerPlan:
             raise SpecError(f"nanobatch split {self.split!r}: expected one of "
                             f"{', '.join(SPLITS)}")
 
+    def key(self, key: str, nanobatch: int) -> str:
+        """``key`` for the partition whose compute is nanobatch ``nanobatch``'s: the
+        planner's per-nanobatch key (``fwd_attn_nb1``, a sequence split's attention) where
+        the plan has one, else ``key``."""
+        per_nb = f"{key}_nb{nanobatch}"
+        return per_nb if per_nb in self.settings or per_nb in self.slot_ops else key
+
     def setting(self, key: str) -> PartitionSetting:
         return self.settings.get(key, NO_SETTING)
 

@@ -110,7 +110,10 @@ class _Collectives:
     def __init__(self, ops: TPLayerOps, plan: LayerPlan) -> None:
         self.ops, self.plan = ops, plan
 
-    def __call__(self, tensor: Tensor, key: str) -> Pending:
+    def __call__(self, tensor: Tensor, key: str, nanobatch: int) -> Pending:
+        """``key``'s collective of the partition whose compute is ``nanobatch``'s (its
+        per-nanobatch key where the plan has one)."""
+        key = self.plan.key(key, nanobatch)
         # reduced in place, as Megatron's row-parallel linears do: where the tensor is a
         # kept graph's output, its value is not used by that graph's backward (a linear
         # saves its input, not its output; were it saved, autograd's version check would
@@ -125,29 +128,33 @@ def _slot(pending: Pending | None, launch_op: str | None) -> Before:
 
 def _forward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan, dim: int
              ) -> Tensor:
+    # each collective's key (and slot) is its partition's: that of the compute it overlaps
+    # (the planner's per-nanobatch keys name the computing nanobatch); an exposed one
+    # takes the last partition's
     nb0, nb1 = nbs
-    attn_op, mlp_op = plan.launch_op("fwd_attn"), plan.launch_op("fwd_mlp")
+    attn1 = plan.key("fwd_attn", nb1.index)
+    mlp0, mlp1 = plan.key("fwd_mlp", nb0.index), plan.key("fwd_mlp", nb1.index)
     # P0: nb0.attn (solo)
-    c0 = collective(nb0.attention(no_slot), "fwd_attn")
+    c0 = collective(nb0.attention(no_slot), attn1, nb1.index)
     # P1: nb1.attn + AR(nb0.attn)
-    p1 = nb1.attention(_slot(c0, attn_op))
+    p1 = nb1.attention(_slot(c0, plan.launch_op(attn1)))
     issue_at_end(c0)
     r0 = c0.wait()
-    c1 = collective(p1, "fwd_mlp")
+    c1 = collective(p1, mlp0, nb0.index)
     # P2: nb0.mlp + AR(nb1.attn)
-    before = _slot(c1, mlp_op)
+    before = _slot(c1, plan.launch_op(mlp0))
     nb0.attn_residual(r0, before)
     m0 = nb0.mlp(before)
     issue_at_end(c1)
     r1 = c1.wait()
-    c2 = collective(m0, "fwd_mlp")
+    c2 = collective(m0, mlp1, nb1.index)
     # P3: nb1.mlp + AR(nb0.mlp)
-    before = _slot(c2, mlp_op)
+    before = _slot(c2, plan.launch_op(mlp1))
     nb1.attn_residual(r1, before)
     m1 = nb1.mlp(before)
     issue_at_end(c2)
     r2 = c2.wait()
-    r3 = collective(m1, "fwd_mlp").wait()  # exposed
+    r3 = collective(m1, mlp1, nb1.index).wait()  # exposed
     return torch.cat([nb0.mlp_residual(r2), nb1.mlp_residual(r3)], dim=dim)
 
 
@@ -155,25 +162,26 @@ def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
               grads: Grads, dys: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
     """The input gradients of ``nbs`` (nb0, nb1 here: in the backward's order)."""
     nb0, nb1 = nbs
-    mlp_launch, attn_launch = plan.launch_op("bwd_mlp"), plan.launch_op("bwd_attn")
+    mlp1 = plan.key("bwd_mlp", nb1.index)
+    attn0, attn1 = plan.key("bwd_attn", nb0.index), plan.key("bwd_attn", nb1.index)
     # B0: nb0.mlp' (solo)
     db0, dh0 = mlp_backward(nb0, dys[0], grads, None, None)
-    c0 = collective(db0, "bwd_mlp")
+    c0 = collective(db0, mlp1, nb1.index)
     # B1: nb1.mlp' + AR(db0)
-    db1, dh1 = mlp_backward(nb1, dys[1], grads, c0, mlp_launch)
+    db1, dh1 = mlp_backward(nb1, dys[1], grads, c0, plan.launch_op(mlp1))
     issue_at_end(c0)
     db0_full = c0.wait()
-    c1 = collective(db1, "bwd_attn")
+    c1 = collective(db1, attn0, nb0.index)
     # B2: nb0.attn' + AR(db1)
-    dx0, da0 = _attn_backward(nb0, dh0, db0_full, grads, c1, attn_launch)
+    dx0, da0 = _attn_backward(nb0, dh0, db0_full, grads, c1, plan.launch_op(attn0))
     issue_at_end(c1)
     db1_full = c1.wait()
-    c2 = collective(da0, "bwd_attn")
+    c2 = collective(da0, attn1, nb1.index)
     # B3: nb1.attn' + AR(da0)
-    dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, attn_launch)
+    dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, plan.launch_op(attn1))
     issue_at_end(c2)
     da0_full = c2.wait()
-    da1_full = collective(da1, "bwd_attn").wait()  # exposed
+    da1_full = collective(da1, attn1, nb1.index).wait()  # exposed
     return (input_norm_backward(nb0, dx0, da0_full, grads),
             input_norm_backward(nb1, dx1, da1_full, grads))
 

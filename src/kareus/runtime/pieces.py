@@ -140,6 +140,9 @@ class Nanobatch:
 
     def __init__(self, ops: TPLayerOps, x: Tensor) -> None:
         self.ops, self.x = ops, x
+        self.index = 0
+        """Which nanobatch of the microbatch this is (0 or 1; the plan's per-nanobatch
+        keys)."""
         self.past: Nanobatch | None = None
         """Sequence split: the earlier nanobatch whose keys and values this one's attention
         reads (None: the first, or a batch split)."""
@@ -319,9 +322,12 @@ def split(x: Tensor, ops: TPLayerOps, mode: str = "batch") -> list[Nanobatch]:
     # a half along a dimension other than the first is strided: every op on it would be
     # slower (and copy); one copy each now instead
     halves = [half.contiguous() for half in x.detach().chunk(2, dim=dim)]
+    nbs = [Nanobatch(ops.nanobatch(i) if mode == "batch" else ops, half)
+           for i, half in enumerate(halves)]
+    for i, nb in enumerate(nbs):
+        nb.index = i
     if mode == "batch":
-        return [Nanobatch(ops.nanobatch(i), half) for i, half in enumerate(halves)]
-    nbs = [Nanobatch(ops, half) for half in halves]
+        return nbs
     for nb in nbs:
         nb.sequence = True
     nbs[1].past, nbs[0].read_later = nbs[0], True
