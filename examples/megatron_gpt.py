@@ -150,9 +150,13 @@ def load(args: argparse.Namespace):
             plan = MegatronPlan.from_file(args.plan, stage=0)
             job = plan.job
         else:
-            plan, job = None, build_job(config=example_job(args))
+            plan, job = None, build_job(config=example_job(args),
+                                        overrides={"micro_batch_size": args.mbs})
     except KareusError as exc:
         fail(str(exc))
+    if args.mbs is not None and job.micro_batch_size != args.mbs:
+        fail(f"--mbs {args.mbs}, but the plan's job has micro_batch_size "
+             f"{job.micro_batch_size}")
     if job.pp != 1:
         fail(f"the plan's job has {job.pp} pipeline stages; this example runs one stage "
              f"(pp: 1)")
@@ -493,6 +497,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 elif job.sequence_parallel:
                     what = ("the sequence-parallel partitions overlapped (all-gathers and "
                             "reduce-scatters)")
+                elif job.micro_batch_size == 1:
+                    what = "the partitioned overlap on the sequence split in two"
                 else:
                     what = "the partitioned overlap"
                 print(f"plan {plan.plan.id}: {overlapped} of {len(plan.log)} instructions "
@@ -516,6 +522,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                                   "steps": args.steps, "ranks": world, "tp": args.tp,
                                   "cp": args.cp,
                                   "sequence_parallel": job.sequence_parallel,
+                                  "micro_batch_size": job.micro_batch_size,
                                   "max_rel_err": float(worst.max()),
                                   "max_rel_err_loss": float(worst[0]),
                                   "max_rel_err_grad": float(worst[1])}), flush=True)
@@ -541,6 +548,10 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="Megatron's sequence parallelism (the plan's job must have it; "
                          "without --plan: examples/megatron_gpt_sp.yaml)")
+    ap.add_argument("--mbs", type=int, metavar="N",
+                    help="micro-batch size (default: the job's; with --plan or --result it "
+                         "must be the plan's job's): at 1 each Kareus layer splits the "
+                         "sequence into its two nanobatches")
     ap.add_argument("--dp", type=int, default=1,
                     help="data-parallel replicas (tp x cp x dp processes), each on its own "
                          "data, the gradients averaged over them")
@@ -579,8 +590,9 @@ def main() -> None:
                     help="under NCCL, run every collective on the layer's own TP or CP group "
                          "instead of one communicator per SM count of the plan")
     args = ap.parse_args()
-    if (args.tp is not None and args.tp < 1) or min(args.cp, args.dp, args.steps) < 1:
-        fail("--tp, --cp, --dp and --steps must be at least 1")
+    if ((args.tp is not None and args.tp < 1) or (args.mbs is not None and args.mbs < 1)
+            or min(args.cp, args.dp, args.steps) < 1):
+        fail("--tp, --mbs, --cp, --dp and --steps must be at least 1")
     check_replan_options(args)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs; on the CPU use --backend gloo")

@@ -227,7 +227,7 @@ def test_simulate_megatron_at_its_own_micro_batch_size(cli):
     assert 0 < doc["time_s"] < float("inf") and doc["energy_j"] > 0
     nano = cli("simulate", *job, "--method", "nanobatch")
     assert nano.code == 2 and len(nano.err.strip().splitlines()) == 1
-    assert "even micro-batch size >= 2 (this job has 1)" in nano.err
+    assert "sequence split does not run with context parallelism (cp=2)" in nano.err
     assert "runs with megatron, perseus" in nano.err
     parts = cli("partitions", *job)
     assert parts.code == 0 and "this job has no partitions" in parts.out
@@ -256,7 +256,7 @@ def test_calibrate_lists_anchors(cli):
         ["simulate", "-p", "kareus-1", "--freq", "5"],
         ["sweep", "-p", "kareus-1", "--partition", "fwd_attn", "--noise", "-1"],
         ["simulate", "-p", "kareus-1", "--calibration", "/nonexistent.json"],
-        ["simulate", "-p", "kareus-1", "--mbs", "1", "--method", "nanobatch"],
+        ["simulate", "-p", "kareus-1", "--mbs", "3", "--method", "nanobatch"],
         ["measure", "-p", "kareus-1", "--mbs", "3", "--partition", "fwd_attn", "--freq",
          "1200", "--sms", "3"],
         ["optimize", "-p", "kareus-1", "--out", "/tmp/kareus-never", "--pipeline-solver",

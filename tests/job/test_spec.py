@@ -146,17 +146,20 @@ def test_job_files_report_every_unknown_key_and_yaml_positions(tmp_path):
         build_job(config=str(broken))
 
 
-@pytest.mark.parametrize("mbs, splits", [(1, False), (2, True), (3, False), (8, True)])
-def test_any_positive_micro_batch_size_is_a_job(mbs, splits):
+@pytest.mark.parametrize("mbs, split, size", [(1, "sequence", 1), (2, "batch", 1),
+                                              (3, None, 0), (8, "batch", 4)])
+def test_any_positive_micro_batch_size_is_a_job(mbs, split, size):
     """Issue 23: Megatron-LM and Perseus run at the job's own micro-batch size; only the
-    methods that split a microbatch into two nanobatches need an even one."""
+    methods that split a microbatch into two nanobatches need an even one, or 1 (issue 37:
+    split along the sequence)."""
     job = build_job("kareus-1", overrides={"micro_batch_size": mbs})
-    assert job.micro_batch_size == mbs and job.splits_into_nanobatches is splits
+    assert job.micro_batch_size == mbs and job.nanobatch_split == split
+    assert job.splits_into_nanobatches is (split is not None)
     assert f"this job has {mbs}" in job.nanobatch_requirement
-    if splits:
-        assert job.nanobatch_size == mbs // 2
+    if split:
+        assert job.nanobatch_size == size
     else:
-        with pytest.raises(SpecError, match=r"no nanobatches.*even micro-batch size >= 2"):
+        with pytest.raises(SpecError, match=r"no nanobatches.*even micro-batch size"):
             _ = job.nanobatch_size
 
 

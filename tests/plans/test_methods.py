@@ -70,7 +70,7 @@ def test_which_methods_split_a_microbatch():
     assert TOY.splits_microbatch is False
 
 
-@pytest.mark.parametrize("mbs", [1, 3])
+@pytest.mark.parametrize("mbs", [3, 5])
 def test_a_microbatch_that_is_not_split_leaves_out_the_methods_that_split_it(mbs):
     from kareus.plans.methods import left_out_line, left_out_reasons, runnable_methods
 
@@ -81,8 +81,8 @@ def test_a_microbatch_that_is_not_split_leaves_out_the_methods_that_split_it(mbs
                                      "kareus_no_freq"]
     assert left_out_line(out, job) == (
         "left out nanobatch, nanobatch_perseus, kareus, kareus_no_freq: they split each "
-        "microbatch into two nanobatches and need an even micro-batch size >= 2 (this job "
-        f"has {mbs})")
+        "microbatch into two nanobatches and need an even micro-batch size or 1, split along "
+        f"the batch or the sequence (this job has {mbs})")
     assert left_out_line(out[:1], job).startswith("left out nanobatch: it splits each")
     assert left_out_line((), job) == ""
     assert set(left_out_reasons(out, job)) == {m.name for m in out}

@@ -11,6 +11,7 @@ from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.runtime.model import LlamaLayer  # noqa: E402
+from kareus.runtime.overlap_tp import OverlappedTP  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
 
 SHAPE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128)
@@ -226,3 +227,164 @@ def test_overlapped_sp_layer_equals_the_plain_sp_and_tp_layers(tmp_path):
             assert err < 1e-5, (rank, name, err)
         passes = 2 * len(PLANS_SP)
         assert counts == {"all_gather": 4 * passes, "reduce_scatter": 4 * passes}
+
+
+# Micro-batch size 1: the sequence split (issue 37) ------------------------------------------
+
+def _seq_plans():
+    """The TP plans over the same keys and slots, splitting the sequence."""
+    return {name: LayerPlan.from_partitions(PARTS, knobs, split="sequence")
+            for name, knobs in PLANS.items()}
+
+
+def _count_qkv(layer):
+    """Counts the layer's QKV projections (``qkv_partial`` calls), forward and backward."""
+    counts = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    inner = layer.qkv_partial
+
+    def counting(*a, **k):
+        counts[phase[0]] += 1
+        return inner(*a, **k)
+
+    layer.qkv_partial = counting
+    return counts, phase
+
+
+def _seq_errors(layer, x, dy):
+    """Per plan and graph mode (recompute: keep_graphs False, LlamaLayer's own; kept:
+    True), the largest relative error of the sequence-split overlapped layer's output and
+    gradients against the unsplit plain layer, and the QKV projections per pass."""
+    params = tuple(layer.parameters())
+
+    def run(fn):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        phase[0] = "forward"
+        y = fn(xi)
+        phase[0] = "backward"
+        y.backward(dy)
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in params]
+
+    counts, phase = _count_qkv(layer)
+    ref = run(layer)
+    worst, qkv = {}, {}
+    for name, plan in _seq_plans().items():
+        for keep in (False, True):
+            counts.update(forward=0, backward=0)
+            got = run(lambda xi, plan=plan, keep=keep: OverlappedTP.apply(xi, layer, plan,
+                                                                          keep, *params))
+            worst[name, keep] = max(float(((a - b).abs().max() / b.abs().max()).item())
+                                    for a, b in zip(got, ref))
+            qkv[name, keep] = dict(counts)
+    # LlamaLayer's own entry point runs the same (recompute)
+    counts.update(forward=0, backward=0)
+    got = run(lambda xi: layer(xi, _seq_plans()["middle"]))
+    worst["layer(x, plan)", False] = max(float(((a - b).abs().max() / b.abs().max()).item())
+                                         for a, b in zip(got, ref))
+    return worst, qkv
+
+
+def _worker_seq(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        layer = LlamaLayer(**SHAPE, tp_group=dist.group.WORLD, seed=13)
+        x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(41))
+        dy = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(42))
+        torch.save(_seq_errors(layer, x, dy), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_split_at_micro_batch_1_equals_the_unsplit_layer_tp2(tmp_path):
+    """Micro-batch 1 at TP=2: the overlapped layer splitting the sequence in halves gives
+    the unsplit plain layer's output and every gradient, for plans over the slots and SMs,
+    with the layer's own recompute and with the forward's graphs kept; nanobatch 1's
+    attention reads nanobatch 0's kept keys and values (2 QKV projections a forward, not
+    3; the backward's rebuild projects each half once more, the kept graphs none)."""
+    mp.spawn(_worker_seq, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        worst, qkv = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(worst) == 2 * len(PLANS) + 1
+        for case, err in worst.items():
+            assert err < 1e-5, (rank, case, err)
+        for (name, keep), n in qkv.items():
+            assert n == {"forward": 2, "backward": 0 if keep else 2}, (name, keep, n)
+
+
+@pytest.mark.parametrize("seq", [2, 6, 16])
+def test_sequence_split_single_process(seq):
+    """One process, short and odd-halved sequences (a half of 1 or 3 tokens): equal to
+    the unsplit layer, recompute and kept graphs."""
+    layer = LlamaLayer(**SHAPE, seed=17)
+    x = torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(seq))
+    dy = torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(seq + 1))
+    worst, qkv = _seq_errors(layer, x, dy)
+    assert max(worst.values()) < 1e-5, worst
+    assert all(n["forward"] == 2 for n in qkv.values())
+
+
+def test_sequence_split_refusals():
+    """One line (SpecError) where a sequence split cannot run, before anything runs."""
+    from kareus.errors import SpecError
+    from kareus.runtime.overlap_cp_ops import OverlappedCPOps
+    from kareus.runtime.overlap_sp import OverlappedSP
+
+    layer = LlamaLayer(**SHAPE, seed=1)
+    params = tuple(layer.parameters())
+    plan = _seq_plans()["last"]
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    with pytest.raises(SpecError, match="sequence parallelism runs no sequence split"):
+        OverlappedSP.apply(x, layer, plan, False, *params)
+    with pytest.raises(SpecError, match="context parallelism runs no sequence split"):
+        OverlappedCPOps.apply(x, layer, plan, False, *params)
+    with pytest.raises(SpecError, match=r"splits the sequence .* not 15"):
+        layer(torch.randn(1, 15, 64), plan)
+    with pytest.raises(SpecError, match=r"splits the batch .* not 1$"):
+        layer(torch.randn(1, 16, 64), LayerPlan.from_partitions(PARTS, PLANS["last"]))
+
+    class BatchOnly:  # a layer's ops without attn_partial_kv
+        batch_dim, seq_dim = 0, 1
+
+    with pytest.raises(SpecError, match="BatchOnly offers no attention core"):
+        OverlappedTP.apply(x, BatchOnly(), plan, False)
+    with pytest.raises(SpecError, match="nanobatch split 'tokens'"):
+        LayerPlan.from_partitions(PARTS, PLANS["last"], split="tokens")
+
+
+def test_the_planner_s_per_nanobatch_keys_set_the_collectives_of_the_computing_nanobatch(
+        monkeypatch):
+    """A sequence split's plan keys its attention partitions per nanobatch
+    (``fwd_attn_nb1``, ``bwd_attn_nb0``, ``bwd_attn_nb1``): each collective takes the SMs
+    of the partition whose compute it overlaps (backward: nanobatch 1 first); the exposed
+    ones the last partition's. A batch split's plan keeps the plain keys."""
+    from kareus.runtime import overlap_tp
+
+    seen: list[int] = []
+    real = overlap_tp.Pending
+
+    def recording(kind, tensor, group, sms=0, groups_by_sms=None):
+        seen.append(sms)
+        return real(kind, tensor, group, sms, groups_by_sms)
+
+    monkeypatch.setattr(overlap_tp, "Pending", recording)
+    layer = LlamaLayer(**SHAPE, seed=3)
+    params = tuple(layer.parameters())
+
+    def run(plan, x):
+        x = x.requires_grad_(True)
+        OverlappedTP.apply(x, layer, plan, True, *params).backward(torch.ones_like(x))
+
+    sms = {"fwd_attn_nb1": 11, "fwd_mlp": 13, "bwd_mlp": 14, "bwd_attn_nb0": 15,
+           "bwd_attn_nb1": 16}
+    run(LayerPlan({k: PartitionSetting(v, None) for k, v in sms.items()}, split="sequence"),
+        torch.randn(1, 8, 64))
+    # forward: AR(nb0.attn) | nb1.attn, AR(nb1.attn) | nb0.mlp, AR(nb0.mlp) | nb1.mlp, exposed
+    # backward: AR(db1) | nb0.mlp', AR(db0) | nb1.attn', AR(da1) | nb0.attn', exposed
+    assert seen == [11, 13, 13, 13, 14, 16, 15, 15]
+    seen.clear()
+    plain = {"fwd_attn": 3, "fwd_mlp": 4, "bwd_mlp": 5, "bwd_attn": 6}
+    run(LayerPlan({k: PartitionSetting(v, None) for k, v in plain.items()}),
+        torch.randn(2, 8, 64))
+    assert seen == [3, 4, 4, 4, 5, 6, 6, 6]

@@ -72,3 +72,38 @@ def test_sequential_instructions_run_the_plain_layer():
         ex, PARTS, (0, 0, "backward"))
     megatron = ExecutionPlan("m", overlap=False, default_freq_mhz=1410)
     assert layer_plan_for(megatron, PARTS, (0, 0, "forward")) is None
+
+
+def test_the_split_travels_with_the_plan_and_an_unknown_one_is_one_line():
+    import pytest
+
+    from kareus.errors import SpecError
+
+    ex = ExecutionPlan("s", overlap=True, default_freq_mhz=1410, default_slot=LAUNCH_FIRST)
+    assert LayerPlan.from_plan(ex, PARTS).split == "batch"
+    seq = layer_plan_for(ex, PARTS, (0, 0, "backward"), split="sequence")
+    assert seq is not None and seq.split == "sequence"
+    # the same settings as the batch split's: only the nanobatches differ
+    assert seq.settings == LayerPlan.from_plan(ex, PARTS, (0, 0, "backward")).settings
+    with pytest.raises(SpecError, match="nanobatch split 'rows': expected one of batch, "
+                                        "sequence"):
+        LayerPlan.from_plan(ex, PARTS, split="rows")
+
+
+def test_a_key_resolves_to_the_planner_s_per_nanobatch_key_where_the_plan_has_one():
+    """A sequence split's attention partitions are keyed per computing nanobatch
+    (``fwd_attn_nb1``); the schedule asks by the plain key and the nanobatch."""
+    seq_job = build_job(overrides={**JOB.model_dump(), "micro_batch_size": 1,
+                                   "nanobatch_split": None})
+    parts = Workload.build(seq_job).partitions.partitions
+    assert {"fwd_attn_nb1", "bwd_attn_nb0", "bwd_attn_nb1"} <= set(parts)
+    plan = LayerPlan.from_partitions(parts, {
+        "fwd_attn_nb1": PartitionSetting(5, None), "bwd_attn_nb0": PartitionSetting(6, None),
+        "bwd_attn_nb1": PartitionSetting(7, None), "fwd_mlp": PartitionSetting(8, None)},
+        split="sequence")
+    assert plan.key("fwd_attn", 1) == "fwd_attn_nb1"
+    assert plan.sms(plan.key("bwd_attn", 0)) == 6 and plan.sms(plan.key("bwd_attn", 1)) == 7
+    # a key the planner does not split by nanobatch, and a batch split's plan: the plain key
+    assert plan.key("fwd_mlp", 0) == plan.key("fwd_mlp", 1) == "fwd_mlp"
+    batch = LayerPlan.from_partitions(PARTS, {"fwd_attn": PartitionSetting(4, None)})
+    assert batch.key("fwd_attn", 1) == "fwd_attn" and batch.sms(batch.key("fwd_attn", 1)) == 4

@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 def test_compare_with_a_job_whose_microbatch_is_not_split(tmp_path, monkeypatch):
     monkeypatch.setitem(compare.SUITES, "tiny", ["kareus-1"])
     monkeypatch.setattr(compare, "build_job", lambda preset: build_job(preset, overrides={
-        "micro_batch_size": 1, "num_microbatches": 4, "search_freqs_mhz": (1410, 1200)}))
+        "micro_batch_size": 3, "num_microbatches": 4, "search_freqs_mhz": (1410, 1200)}))
     said: list[str] = []
     doc = run_suite("tiny", tmp_path, budget=20, workers=1, log=said.append)
     (c,) = json.loads((tmp_path / "compare.json").read_text())["configs"]

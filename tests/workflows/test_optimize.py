@@ -129,14 +129,31 @@ def test_plan_export_cli(result, tmp_path):
     assert bad.code == 2
 
 
-UNSPLIT = ("optimize", "-p", "kareus-1", "--mbs", "1", "--microbatches", "4", "--freqs",
+def test_optimize_at_mbs_1_splits_the_sequence_and_runs_all_six_methods(tmp_path):
+    """Issue 37: micro-batch size 1 splits each sequence in two; every method runs, and
+    Kareus's frontier comes from the per-nanobatch partitions."""
+    out = tmp_path / "r"
+    r = run_cli("optimize", "-p", "kareus-1", "--mbs", "1", "--microbatches", "4", "--freqs",
+                "1410,1200", "--budget", "20", "--workers", "1", "--out", str(out))
+    assert r.code == 0, r.err
+    assert "left out" not in r.out
+    doc = json.loads((out / "result.json").read_text())
+    assert doc["job"]["nanobatch_split"] == "sequence"
+    assert set(doc["methods"]) == {"megatron", "nanobatch", "perseus", "nanobatch_perseus",
+                                   "kareus", "kareus_no_freq"}
+    assert all(doc["methods"][m]["frontier"] for m in doc["methods"])
+    assert {"fwd_attn_nb0", "fwd_attn_nb1", "bwd_attn_nb0", "bwd_attn_nb1"} <= {
+        s["partition"] for s in doc["searches"]}
+
+
+UNSPLIT = ("optimize", "-p", "kareus-1", "--mbs", "3", "--microbatches", "4", "--freqs",
            "1410,1200", "--budget", "20", "--workers", "1")
 LEFT_OUT = ("left out nanobatch, nanobatch_perseus, kareus, kareus_no_freq: they split each "
-            "microbatch into two nanobatches and need an even micro-batch size >= 2 (this "
-            "job has 1)")
+            "microbatch into two nanobatches and need an even micro-batch size or 1, split "
+            "along the batch or the sequence (this job has 3)")
 
 
-def test_optimize_at_mbs_1_runs_megatron_and_perseus_and_says_what_it_left_out(tmp_path):
+def test_optimize_at_mbs_3_runs_megatron_and_perseus_and_says_what_it_left_out(tmp_path):
     """Issue 23: Megatron-LM and Perseus at the job's own micro-batch size; one line names
     the methods that split a microbatch, and the result says n/a where they are missing."""
     out = tmp_path / "r"

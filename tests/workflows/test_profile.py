@@ -209,10 +209,10 @@ def test_profile_cli_then_replay(tmp_path):
 
 
 def test_profile_of_an_unsplit_microbatch_measures_what_megatron_and_perseus_need(tmp_path):
-    """Issue 23: MBS 1 has no partitions; the profile measures the sequential steps, the
+    """Issue 23: MBS 3 has no partitions; the profile measures the sequential steps, the
     transfers and the sync at each clock, and optimize composes from them alone."""
     job = build_job("kareus-1", overrides={"search_freqs_mhz": (1410, 1200),
-                                           "micro_batch_size": 1, "num_microbatches": 4})
+                                           "micro_batch_size": 3, "num_microbatches": 4})
     path = str(tmp_path / "j.sqlite")
     result = profile(job, path, EmulatorSpec(), CONFIG)
     assert result.searches == [] and result.steps is not None and result.steps.needed > 0
@@ -220,7 +220,7 @@ def test_profile_of_an_unsplit_microbatch_measures_what_megatron_and_perseus_nee
     r = optimize(job, str(tmp_path / "r"), CONFIG, measurements=path)
     assert r is not None and set(r.plans) == {"megatron", "perseus"}
     assert r.sources is not None and r.sources["filled"] == []
-    refused = run_cli("profile", "-p", "kareus-1", "--mbs", "1", "--backend", "emulator",
+    refused = run_cli("profile", "-p", "kareus-1", "--mbs", "3", "--backend", "emulator",
                       "--journal", str(tmp_path / "k.sqlite"), "--partitions-only")
     assert refused.code == 2 and "nothing to profile" in refused.err
     assert len(refused.err.strip().splitlines()) == 1

@@ -31,9 +31,11 @@ def sequential_microbatch_flops(ps: PartitionSet, stage: int) -> float:
     return total
 
 
-@pytest.mark.parametrize("mbs", [1, 3])
-def test_an_odd_micro_batch_has_no_partitions_but_megatrons_steps(mbs):
-    ps = _ps(micro_batch_size=mbs)
+@pytest.mark.parametrize("mbs, why", [
+    (3, r"even micro-batch size or 1, split along the batch or the sequence \(this job has 3\)"),
+    (1, r"sequence split at micro-batch size 1, but .* seq_length 4095 is odd")])
+def test_an_odd_micro_batch_has_no_partitions_but_megatrons_steps(mbs, why):
+    ps = _ps(micro_batch_size=mbs, **({"seq_length": 4095} if mbs == 1 else {}))
     assert ps.partitions == {} and ps.keys == []
     for stage in range(ps.job.pp):
         for d in DIRECTIONS:
@@ -46,8 +48,7 @@ def test_an_odd_micro_batch_has_no_partitions_but_megatrons_steps(mbs):
             assert all(s.kind in ("op", "overlap") for s in layout.steps)
             assert all(op.flops > 0 for s in layout.steps for op in s.ops
                        if not op.is_collective and op.kind != "memory")
-    with pytest.raises(SpecError, match="no partitions.*even micro-batch size >= 2 "
-                                        rf"\(this job has {mbs}\)"):
+    with pytest.raises(SpecError, match="no partitions.*" + why):
         ps["fwd_attn"]
 
 

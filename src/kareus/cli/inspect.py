@@ -42,6 +42,13 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
     if not ps.partitions:
         console.print(ps.none_reason, soft_wrap=True, markup=False, highlight=False)
         return
+    if job.sequence_split:  # say the split, and which partitions differ by nanobatch
+        split = [k for k, p in ps.partitions.items() if p.nanobatch is not None]
+        console.print(f"Sequence split: each nanobatch is one half of every sequence "
+                      f"({job.seq_length // 2} tokens); nanobatch 1's attention also reads "
+                      f"nanobatch 0's keys (3x its FLOPs), so these partitions differ by "
+                      f"nanobatch: {', '.join(split)}", soft_wrap=True, markup=False,
+                      highlight=False)
     nfreq = len(job.freqs_mhz)
     table = make_table(f"Partitions of {job.describe()}",
                        ("key", "direction", "collective", "MiB", "slots", "SMs", "per stage",
@@ -67,6 +74,8 @@ def partitions(job: JobSpec, json_out: JsonFlag = False) -> None:
 
 def _layer_unit(job: JobSpec) -> str:
     """What the graph's layer op lists are for (kareus.workload.layer.layer_sequences)."""
+    if job.sequence_split:
+        return "nanobatch 0 (the first half of every sequence)"
     return ("one nanobatch" if job.splits_into_nanobatches
             else "the whole microbatch (not split into nanobatches)")
 
@@ -101,6 +110,10 @@ def graph_dict(g: ExecutionGraph) -> dict[str, Any]:
             "forward": [op.to_dict() for op in g.layer_forward],
             "backward": [op.to_dict() for op in g.layer_backward],
             "flops_per_microbatch": g.layer_flops,
+            # a sequence split's second half: its attention reads the first half's keys too
+            **({"nanobatch_1": {"forward": [op.to_dict() for op in g.layer_forward_1],
+                                "backward": [op.to_dict() for op in g.layer_backward_1 or ()]}}
+               if g.layer_forward_1 is not None else {}),
         },
         "stages": stages,
         "per_gpu_iteration_flops": g.per_gpu_iteration_flops,
@@ -117,8 +130,14 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
     if json_out:
         print_json(graph_dict(g))
         return
-    for title, ops in (("forward", g.layer_forward), ("backward", g.layer_backward)):
-        table = make_table(f"One layer, {title}, {_layer_unit(job)}, one rank",
+    layers = [("forward", _layer_unit(job), g.layer_forward),
+              ("backward", _layer_unit(job), g.layer_backward)]
+    if g.layer_forward_1 is not None:
+        second = "nanobatch 1 (the second half, attending to both halves' keys)"
+        layers += [("forward", second, g.layer_forward_1),
+                   ("backward", second, g.layer_backward_1 or ())]
+    for title, unit, ops in layers:
+        table = make_table(f"One layer, {title}, {unit}, one rank",
                            ("op", "kind", "GFLOP", "MiB", "shape / group"),
                            left=("op", "kind", "shape / group"))
         for op in ops:

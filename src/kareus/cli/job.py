@@ -40,8 +40,12 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("sp", Annotated[Optional[bool], _opt(
         "--sp/--no-sp", help="Sequence parallelism.", metavar="")], "sequence_parallel"),
     ("mbs", Annotated[Optional[int], _opt(
-        "--mbs", help="Microbatch size (an even size splits into two nanobatches; any size "
-                 "runs Megatron-LM and Perseus).")], "micro_batch_size"),
+        "--mbs", help="Microbatch size (an even size splits into two nanobatches along the "
+                 "batch, size 1 along the sequence; any size runs Megatron-LM and "
+                 "Perseus).")], "micro_batch_size"),
+    ("nanobatch_split", Annotated[Optional[str], _opt(
+        "--nanobatch-split", help="How a microbatch splits into two nanobatches: batch "
+        "(default at an even --mbs) or sequence (default at --mbs 1).")], "nanobatch_split"),
     ("seq", Annotated[Optional[int], _opt("--seq", help="Sequence length.")], "seq_length"),
     ("microbatches", Annotated[Optional[int], _opt(
         "--microbatches", help="Microbatches per iteration.")], "num_microbatches"),

@@ -13,7 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kareus.errors import SpecError
+from kareus.job import nanobatch
 from kareus.job.hardware import GPUSpec, get_gpu
+from kareus.job.nanobatch import NanobatchSplit
+from kareus.job.validation import first_error_line
 
 BYTES_PER_ELEMENT = 2  # bf16 activations, weights and gradients (docs/anchors.md §4)
 
@@ -121,10 +124,12 @@ class JobSpec(BaseModel):
     dp: int | None = Field(None, ge=1, le=MAX_GPUS,
                            description="data-parallel size; derived when omitted")
     sequence_parallel: bool = False
-    micro_batch_size: int = Field(
-        2, ge=1, le=MAX_MICRO_BATCH_SIZE, description="sequences per microbatch; an even "
-        "size is split into two nanobatches by the methods that overlap "
-        "(`splits_into_nanobatches`)")
+    micro_batch_size: int = Field(2, ge=1, le=MAX_MICRO_BATCH_SIZE,
+                                  description="sequences per microbatch")
+    nanobatch_split: NanobatchSplit | None = Field(
+        None, description="how the methods that overlap split a microbatch in two "
+        "(kareus.job.nanobatch): 'batch' (default at an even micro-batch size) or 'sequence' "
+        "(default at 1); none at an odd size > 1")
     seq_length: int = Field(4096, ge=1, le=MAX_SEQ_LENGTH)
     num_microbatches: int = Field(8, ge=1, le=MAX_MICROBATCHES)
     layers_per_stage: tuple[int, ...] | None = Field(None, max_length=MAX_LAYERS)
@@ -157,6 +162,8 @@ class JobSpec(BaseModel):
         if self.cp == 1 and self.cp_comm_type != "allgather":
             # no CP traffic at cp = 1: one job, one identity (`kareus.store.job_id`)
             object.__setattr__(self, "cp_comm_type", "allgather")
+        object.__setattr__(self, "nanobatch_split",
+                           nanobatch.resolve_split(self, self.nanobatch_split))
         gpu = get_gpu(self.gpu)  # raises for unknown names, listing the known ones
         if gpu.name != self.gpu:
             object.__setattr__(self, "gpu", gpu.name)
@@ -290,23 +297,28 @@ class JobSpec(BaseModel):
 
     @property
     def splits_into_nanobatches(self) -> bool:
-        """Each microbatch can be split into two equal nanobatches (an even micro-batch
-        size): what Kareus's partitions and the Nanobatching methods need. Megatron-LM and
-        Perseus run the whole microbatch, of any size."""
-        return self.micro_batch_size % 2 == 0
+        """Each microbatch is split into two nanobatches (`nanobatch_split`): what Kareus's
+        partitions and the Nanobatching methods need. Megatron-LM and Perseus run the whole
+        microbatch, of any size."""
+        return self.nanobatch_split is not None
+
+    @property
+    def sequence_split(self) -> bool:
+        return self.nanobatch_split == "sequence"
 
     @property
     def nanobatch_requirement(self) -> str:
         """Why a job that does not split has no nanobatches, for messages."""
-        return f"an even micro-batch size >= 2 (this job has {self.micro_batch_size})"
+        return nanobatch.requirement(self)
 
     @property
     def nanobatch_size(self) -> int:
-        """Sequences per nanobatch; SpecError for a job whose microbatch is not split."""
+        """Sequences per nanobatch (a sequence split: all, each half as long); SpecError
+        for a job whose microbatch is not split."""
         if not self.splits_into_nanobatches:
             raise SpecError(f"this job has no nanobatches: splitting a microbatch in two "
                             f"needs {self.nanobatch_requirement}")
-        return self.micro_batch_size // 2
+        return self.micro_batch_size if self.sequence_split else self.micro_batch_size // 2
 
     @property
     def cp_ring(self) -> bool:
@@ -357,7 +369,7 @@ class JobSpec(BaseModel):
         if self.sequence_parallel:
             parts.append("SP")
         parts += [
-            f"mbs {self.micro_batch_size}",
+            f"mbs {self.micro_batch_size}" + (" (sequence split)" if self.sequence_split else ""),
             f"seq {self.seq_length}",
             f"{self.num_microbatches} microbatches",
             f"layers {'/'.join(map(str, self.layers_per_stage or ()))}",
@@ -366,28 +378,6 @@ class JobSpec(BaseModel):
         if self.kv_heads_replicated:
             parts.append(f"KV heads replicated x{self.tp // m.num_kv_heads}")
         return ", ".join(parts)
-
-
-def first_error_line(exc: ValidationError) -> str:
-    """One readable line from a pydantic ValidationError: every unknown field at once (a
-    job file with several typos is fixed in one go), else the first problem found."""
-    errors = exc.errors(include_url=False)
-    unknown = [".".join(str(p) for p in e.get("loc", ())) for e in errors
-               if e.get("type") == "extra_forbidden"]
-    if unknown:
-        return f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}"
-    err = errors[0]
-    msg = str(err.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
-    ctx = err.get("ctx") or {}
-    if err.get("type") == "less_than_equal":  # a size over its MAX_*: name the limit
-        le = ctx.get("le")
-        msg = f"{err.get('input')} is over Kareus's limit of {le:,}" if isinstance(
-            le, int) else f"{err.get('input')} is over Kareus's limit of {le}"
-    elif err.get("type") == "too_long":
-        msg = f"more than Kareus's limit of {ctx.get('max_length')} entries"
-    return f"{loc}: {msg}" if loc else msg
 
 
 def validate_job(data: dict[str, Any]) -> JobSpec:

@@ -17,7 +17,9 @@ SM count when a group per SM setting is given) just before the compute op named 
 plan's slot, and waited for at the end of its partition.
 
 The overlap changes when things run, never what they compute (tested: outputs and every
-gradient equal the plain layer's).
+gradient equal the plain layer's). At micro-batch size 1 a plan splits the sequence
+(``LayerPlan.split`` "sequence", TP only): the second half's attention reads the first
+half's keys and values (`attn_partial_kv`; kareus.runtime.pieces).
 """
 
 from __future__ import annotations
@@ -96,18 +98,19 @@ class LlamaLayer(torch.nn.Module):
     # The segments' ops, none communicating: the attention's three are the CP schedule's
     # (kareus.runtime.overlap_cp_ops.CPLayerOps), attn_partial chains them ------------------
 
-    def qkv_partial(self, a: torch.Tensor, before: Before = no_slot, taps: Taps | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv_partial(self, a: torch.Tensor, before: Before = no_slot, taps: Taps | None = None,
+                    offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """a (norm output) -> q and this rank's k, v ([b, s, heads, d]; rotary at their
-        global positions: this rank's chunk of the sequence is ``cp_rank * s`` on);
-        ``before``: called with "qkv" and "rope" before those ops."""
+        global positions: this rank's chunk of the sequence is ``cp_rank * s`` on, plus
+        ``offset``, a sequence split's second half); ``before``: called with "qkv" and
+        "rope" before those ops."""
         b, s, _ = a.shape
         before("qkv")
         qkv = a @ self.wqkv
         q, k, v = torch.split(qkv, [self.heads * self.d, self.kv * self.d,
                                     self.kv * self.d], dim=-1)
         before("rope")
-        offset = self.cp_rank * s
+        offset += self.cp_rank * s
         q = rotary(q.reshape(b, s, self.heads, self.d), offset)
         k = rotary(k.reshape(b, s, self.kv, self.d), offset)
         v = v.reshape(b, s, self.kv, self.d)
@@ -116,13 +119,16 @@ class LlamaLayer(torch.nn.Module):
         return q, k, v
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  before: Before = no_slot, taps: Taps | None = None) -> torch.Tensor:
-        """Local queries over the whole sequence's k, v (causal at global positions)."""
+                  before: Before = no_slot, taps: Taps | None = None, offset: int = 0
+                  ) -> torch.Tensor:
+        """Local queries over the whole sequence's k, v (causal at global positions; the
+        queries ``offset`` further on: a sequence split's second half)."""
         b, s = q.shape[:2]
         before("core_attn")
-        if self.cp > 1:
+        first = self.cp_rank * s + offset
+        if first or k.shape[1] != s:
             total = k.shape[1]
-            pos_q = torch.arange(self.cp_rank * s, (self.cp_rank + 1) * s, device=q.device)
+            pos_q = torch.arange(first, first + s, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= pos_q[:, None]
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                v.transpose(1, 2), attn_mask=mask,
@@ -170,6 +176,18 @@ class LlamaLayer(torch.nn.Module):
     def attn_partial(self, a: torch.Tensor, before: Before, taps: Taps) -> torch.Tensor:
         q, k, v = self.qkv_partial(a, before, taps)
         return self.proj_partial(self.attention(q, k, v, before, taps), before, taps)
+
+    def attn_partial_kv(self, a: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
+                        before: Before, taps: Taps
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sequence split's attention core (kareus.runtime.pieces.SequenceSplitOps): this
+        half's queries over ``past``'s keys and values, then its own."""
+        offset = 0 if past is None else past[0].shape[1]
+        q, k, v = self.qkv_partial(a, before, taps, offset)
+        k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], dim=1),
+                                                    torch.cat([past[1], v], dim=1))
+        o = self.attention(q, k_all, v_all, before, taps, offset)
+        return self.proj_partial(o, before, taps), k, v
 
     def attn_residual(self, x: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
         return x + reduced

@@ -55,6 +55,7 @@ from kareus.runtime.pieces import (
     TPLayerOps,
     leaf,
     no_slot,
+    refuse_sequence_split,
     split,
 )
 from kareus.runtime.primitives import Group
@@ -99,6 +100,7 @@ class OverlappedCPOps(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, ops: CPLayerOps, plan: LayerPlan, keep_graphs: bool,
                 *params: Tensor) -> Tensor:
+        refuse_sequence_split(plan, "context parallelism", "not supported with CP")
         nbs = [_CPNanobatch(nb.ops, nb.x) for nb in split(x, ops)]
         with torch.enable_grad() if keep_graphs else torch.no_grad():
             y = _forward(nbs, _Collectives(ops, plan), plan, ops.batch_dim)

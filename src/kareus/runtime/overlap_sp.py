@@ -26,6 +26,10 @@ before the compute op the plan's slot names and waited for at the end of its par
 in the forward from the ops' ``before(name)`` calls, in the backward from a gradient hook
 on the forward tensor whose backward the slot names (a norm slot: at the partition's
 start).
+
+A sequence split (micro-batch size 1) is refused: a rank's halves of its part of the
+sequence interleave in the gathered sequence, so each nanobatch's causal attention would
+need keys of the other (computed later in the schedule).
 """
 
 from __future__ import annotations
@@ -37,7 +41,16 @@ from torch import Tensor
 
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import Pending, hook_backward_slot, issue_at_end, issue_before
-from kareus.runtime.pieces import PIECES, Before, Grads, Nanobatch, SPLayerOps, no_slot, split
+from kareus.runtime.pieces import (
+    PIECES,
+    Before,
+    Grads,
+    Nanobatch,
+    SPLayerOps,
+    no_slot,
+    refuse_sequence_split,
+    split,
+)
 
 AG, RS = "all_gather", "reduce_scatter"
 
@@ -50,6 +63,9 @@ class OverlappedSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, ops: SPLayerOps, plan: LayerPlan, keep_graphs: bool,
                 *params: Tensor) -> Tensor:
+        refuse_sequence_split(plan, "sequence parallelism",
+                              "a rank's halves interleave in the gathered sequence: each "
+                              "nanobatch's causal attention needs keys of the other")
         nbs = split(x, ops)
         with torch.enable_grad() if keep_graphs else torch.no_grad():
             y = _forward(nbs, _Collectives(ops, plan), plan, ops.batch_dim)

@@ -12,6 +12,12 @@ gradient hook on the forward tensor whose backward the slot names.
 The layer runs as the six pieces of kareus.runtime.pieces per nanobatch, differentiated
 piece by piece in the schedule's order; ``keep_graphs`` says whether their graphs are kept
 from the forward or rebuilt in the backward (see there).
+
+With a sequence split (``plan.split`` "sequence", micro-batch size 1) nanobatch 0 is the
+first half of the tokens and 1 the second, whose attention reads 0's kept keys and values;
+the backward runs the nanobatches the other way round (its gradients of 0's keys and
+values must reach 0's QKV backward): nb1.mlp' | nb0.mlp' + AR(dnb1) | nb1.attn' + AR(dnb0)
+| nb0.attn' + AR(dnb1) | AR(dnb0): the same keys and slots.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from kareus.runtime.pieces import (
     Grads,
     Nanobatch,
     TPLayerOps,
+    backward_order,
     no_slot,
     split,
+    split_dim,
 )
 from kareus.runtime.primitives import world_size
 
@@ -51,8 +59,8 @@ class OverlappedTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, ops: TPLayerOps, plan: LayerPlan, keep_graphs: bool,
                 *params: Tensor) -> Tensor:
-        dim = ops.batch_dim
-        nbs = split(x, ops)
+        dim = split_dim(ops, plan.split)
+        nbs = split(x, ops, plan.split)
         collective = _Collectives(ops, plan)
         with torch.enable_grad() if keep_graphs else torch.no_grad():
             y = _forward(nbs, collective, plan, dim)
@@ -67,8 +75,11 @@ class OverlappedTP(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         nbs: list[Nanobatch] = ctx.nbs
         grads = Grads(ctx.params)
-        dys = tuple(half.contiguous() for half in dy.chunk(2, dim=ctx.dim))
-        dx = _backward(nbs, _Collectives(ctx.ops, ctx.plan), ctx.plan, grads, dys, ctx.dim)
+        dys = [half.contiguous() for half in dy.chunk(2, dim=ctx.dim)]
+        order = backward_order(ctx.plan)
+        dxs = _backward([nbs[i] for i in order], _Collectives(ctx.ops, ctx.plan), ctx.plan,
+                        grads, tuple(dys[i] for i in order))
+        dx = torch.cat([dxs[order.index(i)] for i in (0, 1)], dim=ctx.dim)
         sum_partial_grads(ctx.ops, grads)
         ctx.nbs = None  # the graphs go with the pass
         return (dx, None, None, None, *grads.sums)
@@ -99,7 +110,10 @@ class _Collectives:
     def __init__(self, ops: TPLayerOps, plan: LayerPlan) -> None:
         self.ops, self.plan = ops, plan
 
-    def __call__(self, tensor: Tensor, key: str) -> Pending:
+    def __call__(self, tensor: Tensor, key: str, nanobatch: int) -> Pending:
+        """``key``'s collective of the partition whose compute is ``nanobatch``'s (its
+        per-nanobatch key where the plan has one)."""
+        key = self.plan.key(key, nanobatch)
         # reduced in place, as Megatron's row-parallel linears do: where the tensor is a
         # kept graph's output, its value is not used by that graph's backward (a linear
         # saves its input, not its output; were it saved, autograd's version check would
@@ -114,56 +128,62 @@ def _slot(pending: Pending | None, launch_op: str | None) -> Before:
 
 def _forward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan, dim: int
              ) -> Tensor:
+    # each collective's key (and slot) is its partition's: that of the compute it overlaps
+    # (the planner's per-nanobatch keys name the computing nanobatch); an exposed one
+    # takes the last partition's
     nb0, nb1 = nbs
-    attn_op, mlp_op = plan.launch_op("fwd_attn"), plan.launch_op("fwd_mlp")
+    attn1 = plan.key("fwd_attn", nb1.index)
+    mlp0, mlp1 = plan.key("fwd_mlp", nb0.index), plan.key("fwd_mlp", nb1.index)
     # P0: nb0.attn (solo)
-    c0 = collective(nb0.attention(no_slot), "fwd_attn")
+    c0 = collective(nb0.attention(no_slot), attn1, nb1.index)
     # P1: nb1.attn + AR(nb0.attn)
-    p1 = nb1.attention(_slot(c0, attn_op))
+    p1 = nb1.attention(_slot(c0, plan.launch_op(attn1)))
     issue_at_end(c0)
     r0 = c0.wait()
-    c1 = collective(p1, "fwd_mlp")
+    c1 = collective(p1, mlp0, nb0.index)
     # P2: nb0.mlp + AR(nb1.attn)
-    before = _slot(c1, mlp_op)
+    before = _slot(c1, plan.launch_op(mlp0))
     nb0.attn_residual(r0, before)
     m0 = nb0.mlp(before)
     issue_at_end(c1)
     r1 = c1.wait()
-    c2 = collective(m0, "fwd_mlp")
+    c2 = collective(m0, mlp1, nb1.index)
     # P3: nb1.mlp + AR(nb0.mlp)
-    before = _slot(c2, mlp_op)
+    before = _slot(c2, plan.launch_op(mlp1))
     nb1.attn_residual(r1, before)
     m1 = nb1.mlp(before)
     issue_at_end(c2)
     r2 = c2.wait()
-    r3 = collective(m1, "fwd_mlp").wait()  # exposed
+    r3 = collective(m1, mlp1, nb1.index).wait()  # exposed
     return torch.cat([nb0.mlp_residual(r2), nb1.mlp_residual(r3)], dim=dim)
 
 
 def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
-              grads: Grads, dys: tuple[Tensor, ...], dim: int) -> Tensor:
+              grads: Grads, dys: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """The input gradients of ``nbs`` (nb0, nb1 here: in the backward's order)."""
     nb0, nb1 = nbs
-    mlp_launch, attn_launch = plan.launch_op("bwd_mlp"), plan.launch_op("bwd_attn")
+    mlp1 = plan.key("bwd_mlp", nb1.index)
+    attn0, attn1 = plan.key("bwd_attn", nb0.index), plan.key("bwd_attn", nb1.index)
     # B0: nb0.mlp' (solo)
     db0, dh0 = mlp_backward(nb0, dys[0], grads, None, None)
-    c0 = collective(db0, "bwd_mlp")
+    c0 = collective(db0, mlp1, nb1.index)
     # B1: nb1.mlp' + AR(db0)
-    db1, dh1 = mlp_backward(nb1, dys[1], grads, c0, mlp_launch)
+    db1, dh1 = mlp_backward(nb1, dys[1], grads, c0, plan.launch_op(mlp1))
     issue_at_end(c0)
     db0_full = c0.wait()
-    c1 = collective(db1, "bwd_attn")
+    c1 = collective(db1, attn0, nb0.index)
     # B2: nb0.attn' + AR(db1)
-    dx0, da0 = _attn_backward(nb0, dh0, db0_full, grads, c1, attn_launch)
+    dx0, da0 = _attn_backward(nb0, dh0, db0_full, grads, c1, plan.launch_op(attn0))
     issue_at_end(c1)
     db1_full = c1.wait()
-    c2 = collective(da0, "bwd_attn")
+    c2 = collective(da0, attn1, nb1.index)
     # B3: nb1.attn' + AR(da0)
-    dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, attn_launch)
+    dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, plan.launch_op(attn1))
     issue_at_end(c2)
     da0_full = c2.wait()
-    da1_full = collective(da1, "bwd_attn").wait()  # exposed
-    return torch.cat([input_norm_backward(nb0, dx0, da0_full, grads),
-                      input_norm_backward(nb1, dx1, da1_full, grads)], dim=dim)
+    da1_full = collective(da1, attn1, nb1.index).wait()  # exposed
+    return (input_norm_backward(nb0, dx0, da0_full, grads),
+            input_norm_backward(nb1, dx1, da1_full, grads))
 
 
 def mlp_backward(nb: Nanobatch, dy: Tensor, grads: Grads, pending: Pending | None,
@@ -189,8 +209,7 @@ def _attn_backward(nb: Nanobatch, dh_res: Tensor, db_full: Tensor, grads: Grads,
     core = nb.pieces["attn_core"]
     hook_backward_slot(core.taps, launch if launch in BACKWARD_TAPS else None, pending)
     dx, dr = grads(nb.pieces["attn_res"], dh_res + gh)
-    da, = grads(core, dr)
-    return dx, da
+    return dx, nb.attn_core_backward(grads, dr)
 
 
 def input_norm_backward(nb: Nanobatch, dx_res: Tensor, da_full: Tensor, grads: Grads

@@ -18,17 +18,28 @@ order. Where the pieces' autograd graphs come from is the caller's choice
 - rebuilt in the backward from the saved piece inputs (the layer's own full recompute:
   `LlamaLayer`): the collectives' results are saved with them, so nothing is communicated
   again.
+
+The microbatch splits along the batch (``LayerPlan.split`` "batch") or, at micro-batch
+size 1, along the sequence ("sequence": the first and the second half of the tokens).
+Every piece but the attention core is per token, so only the core differs: nanobatch 1's
+attends to nanobatch 0's keys and values (kept from nanobatch 0's forward, not computed
+again) before its own, causally at its positions (offset by nanobatch 0's length); its
+backward gives the gradients of nanobatch 0's keys and values, added to nanobatch 0's core
+backward, so the schedules run the backward nanobatch 1 first (`backward_order`). The
+layer offers the core for this as `SequenceSplitOps.attn_partial_kv`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
 
+from kareus.errors import SpecError
+from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.primitives import Group
 
@@ -74,8 +85,27 @@ class TPLayerOps(Protocol):
     def mlp_residual(self, h: Tensor, reduced: Tensor) -> Tensor: ...
 
     def nanobatch(self, index: int) -> TPLayerOps:
-        """The ops of nanobatch ``index`` (0 or 1): inputs given per batch element (an
-        attention mask per sample) cut to that half; self where there are none."""
+        """The ops of nanobatch ``index`` (0 or 1) of a batch split: inputs given per batch
+        element (an attention mask per sample) cut to that half; self where there are
+        none."""
+        ...
+
+
+class SequenceSplitOps(TPLayerOps, Protocol):
+    """`TPLayerOps` of a layer whose microbatch the schedules can split along the
+    sequence (``LayerPlan.split`` "sequence")."""
+
+    seq_dim: int
+    """The sequence dimension of the layer's input (split into the two nanobatches)."""
+
+    def attn_partial_kv(self, a: Tensor, past: tuple[Tensor, Tensor] | None, before: Before,
+                        taps: Taps) -> tuple[Tensor, Tensor, Tensor]:
+        """`attn_partial` of one nanobatch of a sequence split: ``a`` (its norm output)
+        holds the positions that follow ``past``'s (None: the sequence's first). Its
+        queries attend to ``past``'s keys and values (the earlier nanobatch's, as this
+        returned them) and then its own, causally at their positions (rotary too).
+        Returns the partial output projection and this nanobatch's own key and value, as
+        the attention core reads them."""
         ...
 
 
@@ -110,6 +140,21 @@ class Nanobatch:
 
     def __init__(self, ops: TPLayerOps, x: Tensor) -> None:
         self.ops, self.x = ops, x
+        self.index = 0
+        """Which nanobatch of the microbatch this is (0 or 1; the plan's per-nanobatch
+        keys)."""
+        self.past: Nanobatch | None = None
+        """Sequence split: the earlier nanobatch whose keys and values this one's attention
+        reads (None: the first, or a batch split)."""
+        self.sequence = False
+        """Split along the sequence (the attention core is `attn_partial_kv`)."""
+        self.read_later = False
+        """Sequence split: a later nanobatch reads this one's keys and values (its core
+        piece then outputs them too, and their gradients come from that nanobatch)."""
+        self.kv: tuple[Tensor, Tensor] | None = None
+        """Sequence split: this nanobatch's key and value (detached), kept for the next."""
+        self.kv_grad: tuple[Tensor, ...] | None = None
+        """Sequence split: the later nanobatch's gradients of this one's key and value."""
         self.pieces: dict[str, Piece] = {}
         self.reduced: dict[str, Tensor] = {}
         """Per half ("attn", "mlp"): the core's output after its collective (the
@@ -126,7 +171,42 @@ class Nanobatch:
     def attn_core(self, a: Tensor, before: Before, gathered: bool = False) -> Tensor:
         """The attention core piece on ``a`` (the norm output, ``gathered`` under SP):
         the partial output projection."""
-        return self._core("attn", a, self.ops.attn_partial, before, gathered)
+        if not self.sequence:
+            return self._core("attn", a, self.ops.attn_partial, before, gathered)
+        ops = cast(SequenceSplitOps, self.ops)  # checked by `split`
+        a_in = leaf(a)
+        past: tuple[Tensor, Tensor] | None = None
+        if self.past is not None:
+            k0, v0 = self._past_kv()
+            past = (leaf(k0), leaf(v0))
+        taps: Taps = {}
+        out, k, v = ops.attn_partial_kv(a_in, past, before, taps)
+        # kept for the next nanobatch: its attention reads them, nothing computes them again
+        self.kv = (k.detach(), v.detach())
+        self.pieces["attn_core"] = Piece([a_in, *(past or ())],
+                                         (out, k, v) if self.read_later else out, taps)
+        return out
+
+    def _past_kv(self) -> tuple[Tensor, Tensor]:
+        assert self.past is not None and self.past.kv is not None, \
+            "a sequence split runs nanobatch 0's attention first"
+        return self.past.kv
+
+    def attn_core_backward(self, grads: Grads, dr: Tensor) -> Tensor:
+        """The attention core piece's backward from the gradient of its output -> the
+        partial gradient of its input. Sequence split: the gradients of the earlier
+        nanobatch's keys and values go to it, and this one's (from the later nanobatch,
+        whose backward ran first) are added here."""
+        core = self.pieces["attn_core"]
+        if self.read_later:
+            assert self.kv_grad is not None, "a sequence split runs nanobatch 1's backward first"
+            da, *dpast = grads(core, (dr, *self.kv_grad))
+            self.kv_grad = None
+        else:
+            da, *dpast = grads(core, dr)
+        if self.past is not None:
+            self.past.kv_grad = tuple(dpast)
+        return da
 
     def attention(self, before: Before) -> Tensor:
         """The attention norm and core (TP: no collective between them)."""
@@ -221,14 +301,47 @@ class Grads:
         return [torch.zeros_like(t) if g is None else g for t, g in zip(piece.inputs, got)]
 
 
-def split(x: Tensor, ops: TPLayerOps) -> list[Nanobatch]:
-    """The two nanobatches of ``x`` along the ops' batch dimension (an even size)."""
-    dim = ops.batch_dim
+def split_dim(ops: TPLayerOps, mode: str = "batch") -> int:
+    """The dimension of the layer's input that ``mode`` splits."""
+    return ops.batch_dim if mode == "batch" else getattr(ops, "seq_dim", 1)
+
+
+def split(x: Tensor, ops: TPLayerOps, mode: str = "batch") -> list[Nanobatch]:
+    """The two nanobatches of ``x`` along the ops' batch dimension (``mode`` "batch") or
+    its sequence dimension ("sequence": the first and the second half of the tokens;
+    nanobatch 1 reads nanobatch 0's keys and values). The split size must be even."""
+    dim = split_dim(ops, mode)
+    what = "batch" if mode == "batch" else "sequence"
+    if mode == "sequence" and not hasattr(ops, "attn_partial_kv"):
+        raise SpecError(f"{type(ops).__name__} offers no attention core over an earlier "
+                        "nanobatch's keys (attn_partial_kv): it runs a batch split only")
     if x.shape[dim] < 2 or x.shape[dim] % 2:
-        raise ValueError(f"the partitioned overlap splits the batch (dimension {dim}) "
-                         f"into two nanobatches: it needs an even size, not "
-                         f"{x.shape[dim]}")
+        raise SpecError(f"the partitioned overlap splits the {what} (dimension {dim}) "
+                        f"into two nanobatches: it needs an even size, not "
+                        f"{x.shape[dim]}")
     # a half along a dimension other than the first is strided: every op on it would be
     # slower (and copy); one copy each now instead
-    return [Nanobatch(ops.nanobatch(i), half.contiguous())
-            for i, half in enumerate(x.detach().chunk(2, dim=dim))]
+    halves = [half.contiguous() for half in x.detach().chunk(2, dim=dim)]
+    nbs = [Nanobatch(ops.nanobatch(i) if mode == "batch" else ops, half)
+           for i, half in enumerate(halves)]
+    for i, nb in enumerate(nbs):
+        nb.index = i
+    if mode == "batch":
+        return nbs
+    for nb in nbs:
+        nb.sequence = True
+    nbs[1].past, nbs[0].read_later = nbs[0], True
+    return nbs
+
+
+def backward_order(plan: LayerPlan) -> tuple[int, int]:
+    """The nanobatches in the order the backward runs them: a sequence split's second
+    first (its attention backward gives the gradients of the first's keys and values)."""
+    return (1, 0) if plan.split == "sequence" else (0, 1)
+
+
+def refuse_sequence_split(plan: LayerPlan, schedule: str, why: str) -> None:
+    """One line where a schedule runs no sequence split."""
+    if plan.split == "sequence":
+        raise SpecError(f"{schedule} runs no sequence split of the microbatch ({why}): "
+                        "use a batch split (micro-batch size 2 or more)")

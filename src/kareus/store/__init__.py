@@ -25,6 +25,7 @@ from typing import Protocol
 
 from kareus.core import Knobs, Measurement
 from kareus.core.measurement import FIELDS
+from kareus.job.nanobatch import default_split
 from kareus.job.spec import JobSpec
 from kareus.store.file import (
     JournalError,
@@ -49,10 +50,12 @@ _NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stor
 
 def job_id(job: JobSpec) -> str:
     """A stable identity of the job: hash of its canonical JSON (without
-    ``virtual_pipeline`` when it is 1 nor ``cp_comm_type`` when it is ``allgather``, so
-    that jobs journaled before those fields existed keep their id; a ``p2p`` job's id
-    differs, and so do its measurements)."""
+    ``virtual_pipeline`` when it is 1, ``cp_comm_type`` when it is ``allgather`` nor
+    ``nanobatch_split`` when it is the job's default, so that jobs journaled before those
+    fields existed keep their id; a ``p2p`` job's id differs, and so do its measurements)."""
     doc = job.model_dump(mode="json")
+    if doc.get("nanobatch_split") == default_split(job):
+        del doc["nanobatch_split"]
     if doc.get("virtual_pipeline") == 1:
         del doc["virtual_pipeline"]
     if doc.get("cp_comm_type") == "allgather":

@@ -1,13 +1,14 @@
 """The execution graph of a job: per-layer op lists, the ops outside the layers, per stage.
 
-All layer ops are for one nanobatch on one rank; ops outside the layers (embedding, LM
+All layer ops are for one nanobatch on one rank (both nanobatches' where a sequence split
+makes their attention differ); ops outside the layers (embedding, LM
 head, loss, pipeline send/recv) run once per microbatch; the data-parallel gradient sync
 runs once per iteration. Totals are per GPU of each stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from kareus.job.spec import BYTES_PER_ELEMENT as E
@@ -78,8 +79,12 @@ def cut_segments(ops: list[Op], direction: str, layer: int = 0) -> list[Segment]
 class ExecutionGraph:
     job: JobSpec
     layer_forward: tuple[Op, ...]
+    """One layer's forward of nanobatch 0 (of the whole microbatch where it is not split)."""
     layer_backward: tuple[Op, ...]
     stages: tuple[StageGraph, ...]
+    layer_forward_1: tuple[Op, ...] | None = None
+    """Nanobatch 1's, where it differs from nanobatch 0's (a sequence split's attention)."""
+    layer_backward_1: tuple[Op, ...] | None = None
 
     @classmethod
     def from_job(cls, job: JobSpec) -> ExecutionGraph:
@@ -87,32 +92,63 @@ class ExecutionGraph:
         bwd = backward_ops(job, fwd)
         # with interleaved 1F1B, one StageGraph per virtual stage (rank = index % pp)
         stages = tuple(_stage(job, i) for i in range(job.virtual_stages))
-        return cls(job, tuple(fwd), tuple(bwd), stages)
+        if not job.sequence_split:
+            return cls(job, tuple(fwd), tuple(bwd), stages)
+        fwd1 = forward_ops(job, nanobatch=1)
+        bwd1 = backward_ops(job, fwd1, nanobatch=1)
+        return cls(job, tuple(fwd), tuple(bwd), stages, tuple(fwd1), tuple(bwd1))
+
+    def nanobatch_layer(self, nanobatch: int) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+        """One layer's (forward, backward) op lists of nanobatch 0 or 1."""
+        if nanobatch == 1 and self.layer_forward_1 is not None:
+            return self.layer_forward_1, self.layer_backward_1 or ()
+        return self.layer_forward, self.layer_backward
 
     # Segments of a pass ------------------------------------------------------------------
 
     @cached_property
     def forward_segments(self) -> tuple[Segment, ...]:
-        return tuple(cut_segments(list(self.layer_forward), "fwd"))
+        return self.segments("fwd", 0)
 
     @cached_property
     def backward_segments(self) -> tuple[Segment, ...]:
-        return tuple(cut_segments(list(self.layer_backward), "bwd"))
+        return self.segments("bwd", 0)
 
-    def pass_segments(self, direction: str, num_layers: int) -> list[Segment]:
+    def segments(self, direction: str, nanobatch: int) -> tuple[Segment, ...]:
+        """One layer's segments ("fwd" or "bwd") of nanobatch 0 or 1."""
+        fwd, bwd = self.nanobatch_layer(nanobatch)
+        return tuple(replace(s, nanobatch=nanobatch) for s in
+                     cut_segments(list(fwd if direction == "fwd" else bwd), direction))
+
+    def pass_segments(self, direction: str, num_layers: int, nanobatch: int = 0
+                      ) -> list[Segment]:
         """One nanobatch's segments through ``num_layers`` layers in one pipeline instruction.
 
         A backward instruction recomputes each layer's forward just before its backward
         (full, uniform recompute of one layer) when recompute is on.
         """
+        fwd, bwd = self.segments("fwd", nanobatch), self.segments("bwd", nanobatch)
         out: list[Segment] = []
         for layer in range(num_layers):
             if direction == "forward":
-                out += [_at(s, layer) for s in self.forward_segments]
+                out += [_at(s, layer) for s in fwd]
             else:
                 if self.job.recompute:
-                    out += [_at(s, layer) for s in self.forward_segments]
-                out += [_at(s, layer) for s in self.backward_segments]
+                    out += [_at(s, layer) for s in fwd]
+                out += [_at(s, layer) for s in bwd]
+        return out
+
+    def stream_segments(self, direction: str, num_layers: int) -> list[Segment]:
+        """Both nanobatches' segments in the compute stream's order: segment i of one
+        nanobatch, then of the other, then segment i+1, ... Nanobatch 0 goes first, but in
+        a sequence split's backward segments (not its recomputed forward): the second
+        half's attention gradient flows into the first half's K and V, so nanobatch 1's
+        backward runs first (docs/workload.md)."""
+        passes = [self.pass_segments(direction, num_layers, nb) for nb in (0, 1)]
+        out: list[Segment] = []
+        for s0, s1 in zip(*passes, strict=True):
+            first_one = self.job.sequence_split and s0.direction == "bwd"
+            out += [s1, s0] if first_one else [s0, s1]
         return out
 
     # Totals ------------------------------------------------------------------------------
@@ -122,9 +158,9 @@ class ExecutionGraph:
         """FLOPs of one layer for one microbatch on one rank: the layer op lists are one
         nanobatch's, two per microbatch, or the whole microbatch's where it is not split
         (an odd micro-batch size)."""
-        units = 2 if self.job.splits_into_nanobatches else 1
-        fwd = units * _sum_flops(self.layer_forward)
-        bwd = units * _sum_flops(self.layer_backward)
+        nanobatches = (0, 1) if self.job.splits_into_nanobatches else (0,)
+        fwd = sum(_sum_flops(self.nanobatch_layer(nb)[0]) for nb in nanobatches)
+        bwd = sum(_sum_flops(self.nanobatch_layer(nb)[1]) for nb in nanobatches)
         recompute = fwd if self.job.recompute else 0.0
         return {"forward": fwd, "recompute": recompute, "backward": bwd,
                 "total": fwd + recompute + bwd}
@@ -149,6 +185,30 @@ class ExecutionGraph:
         return float(sum(self.per_gpu_iteration_flops) * gpus_per_stage)
 
 
+def interleave(stream: list[Segment]) -> tuple[list[tuple[Segment, Collective | None]],
+                                               Collective | None]:
+    """Pair each compute segment with the collective issued just before it.
+
+    ``stream``: both nanobatches' segments in compute-stream order
+    (`ExecutionGraph.stream_segments`). Returns (segment, overlapped collective) in that
+    order, and the last collective, which has nothing left to hide behind.
+    """
+    pairs: list[tuple[Segment, Collective | None]] = []
+    prev: Collective | None = None
+    for seg in stream:
+        pairs.append((seg, prev))
+        prev = seg.collective
+    return pairs, prev
+
+
+def differing_segments(graph: ExecutionGraph) -> set[str]:
+    """Base keys of the segments whose ops differ between the two nanobatches (a sequence
+    split's attention segments; none in a batch split): one partition key per nanobatch."""
+    return {s0.base_key for d in ("fwd", "bwd")
+            for s0, s1 in zip(graph.segments(d, 0), graph.segments(d, 1), strict=True)
+            if s0.ops != s1.ops}
+
+
 def model_flops_per_token(job: JobSpec) -> float:
     """NVIDIA's MFU numerator (NVIDIA/dgxc-benchmarking, docs/anchors.md §8):
     12 L h^2 (1 + G/H + s/h) + 18 L F h + 6 V h; causal attention not halved, recompute
@@ -167,7 +227,7 @@ def mfu(job: JobSpec, iteration_s: float) -> float:
 
 
 def _at(seg: Segment, layer: int) -> Segment:
-    return Segment(seg.name, seg.direction, seg.ops, seg.collective, layer)
+    return replace(seg, layer=layer)
 
 
 def layer_params(job: JobSpec) -> int:

@@ -80,15 +80,24 @@ def layer_sequences(job: JobSpec) -> int:
 
 
 class LayerShapes:
-    """Per-rank tensor sizes of one nanobatch (or ``sequences``), derived once from the
-    job."""
+    """Per-rank tensor sizes of nanobatch ``nanobatch`` (or of ``sequences`` whole
+    sequences), derived once from the job.
 
-    def __init__(self, job: JobSpec, sequences: int | None = None) -> None:
+    Under a sequence split (`JobSpec.sequence_split`) a nanobatch is one half of every
+    sequence: ``s_local`` its tokens per sequence, and ``key_offset`` the keys before its
+    first query (0 for the first half, seq/2 for the second, whose queries also attend to
+    the first half's keys)."""
+
+    def __init__(self, job: JobSpec, sequences: int | None = None, nanobatch: int = 0) -> None:
         m = job.model
         self.job = job
         self.b = sequences if sequences is not None else layer_sequences(job)
-        self.s_local = job.local_seq_length
+        half = job.sequence_split and sequences is None  # CP is refused with it
+        self.s_local = job.local_seq_length // 2 if half else job.local_seq_length
+        self.key_offset = self.s_local * nanobatch if half else 0
         self.s_full = job.seq_length
+        # keys the longest query row of the attention sees (without CP)
+        self.keys_seen = self.key_offset + self.s_local if half else self.s_full
         self.tokens = self.b * self.s_local  # tokens one rank computes GEMMs on
         # with sequence parallelism, norms and residuals run on a 1/tp shard of the tokens
         self.norm_tokens = self.tokens // job.tp if job.sequence_parallel else self.tokens
@@ -144,13 +153,15 @@ def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
     the same total work. The two kernels share one launch slot.
     """
     d, hq, hkv = sh.d, sh.heads, sh.kv_heads
+    if sh.key_offset:  # a sequence split's second half: a full block, then its diagonal
+        return [_second_half_attention(sh)]
     if job.cp == 1:
         q = sh.tokens * hq * d
-        kv = sh.b * sh.s_full * hkv * d
+        kv = sh.b * sh.keys_seen * hkv * d
         return [ComputeOp("core_attn", "attention",
-                          flops=2.0 * sh.b * sh.s_local * sh.s_full * hq * d,
+                          flops=2.0 * sh.b * sh.s_local * sh.keys_seen * hq * d,
                           bytes_=float(2 * q + 2 * kv) * E, slot_class="attn",
-                          attn_keys=sh.s_full, attn_causal=True)]
+                          attn_keys=sh.keys_seen, attn_causal=True)]
     chunk = sh.s_full // (2 * job.cp)
     if job.cp_ring:
         return [_ring_attention(job, sh, chunk)]
@@ -165,6 +176,19 @@ def attention_ops(job: JobSpec, sh: LayerShapes) -> list[ComputeOp]:
                              bytes_, "attn", opens_slot=i == 0, attn_keys=keys,
                              attn_causal=c == 0))
     return out
+
+
+def _second_half_attention(sh: LayerShapes) -> ComputeOp:
+    """The attention of a sequence split's second nanobatch: its ``s_local`` queries
+    against the first half's keys (a full block) and its own (a causal diagonal block),
+    three times the first half's causal square; like CP's last chunk, mostly full
+    blocks (non-causal)."""
+    d, hq, hkv, s = sh.d, sh.heads, sh.kv_heads, sh.s_local
+    keys = sh.key_offset + s
+    flops = 4.0 * sh.b * s * hq * d * (sh.key_offset + s / 2)
+    bytes_ = float(2 * sh.b * s * hq * d + 2 * sh.b * keys * hkv * d) * E
+    return ComputeOp("core_attn", "attention", flops, bytes_, "attn", attn_keys=keys,
+                     attn_causal=False)
 
 
 def _ring_attention(job: JobSpec, sh: LayerShapes, chunk: int) -> ComputeOp:
@@ -185,10 +209,10 @@ def _ring_attention(job: JobSpec, sh: LayerShapes, chunk: int) -> ComputeOp:
                      ring_step_bytes=ring_step_bytes(job, sh, backward=False))
 
 
-def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
-    """One layer's forward for one nanobatch (or ``sequences`` sequences) on one rank,
-    collectives in place."""
-    sh = LayerShapes(job, sequences)
+def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0) -> list[Op]:
+    """One layer's forward for nanobatch ``nanobatch`` (or ``sequences`` whole sequences)
+    on one rank, collectives in place."""
+    sh = LayerShapes(job, sequences, nanobatch)
     sp, cp = job.sequence_parallel, job.cp_partitions  # p2p CP: no CP collective
     t, h, d = sh.tokens, sh.h, sh.d
     qk_elems = t * (sh.heads + sh.kv_heads) * d
@@ -225,13 +249,14 @@ def forward_ops(job: JobSpec, sequences: int | None = None) -> list[Op]:
     return ops
 
 
-def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | None = None
-                 ) -> list[Op]:
-    """One layer's backward for one nanobatch (or ``sequences`` sequences) on one rank,
-    without the recomputed forward."""
-    sh = LayerShapes(job, sequences)
+def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | None = None,
+                 nanobatch: int = 0) -> list[Op]:
+    """One layer's backward for nanobatch ``nanobatch`` (or ``sequences`` whole sequences)
+    on one rank, without the recomputed forward; ``fwd`` is its forward."""
+    sh = LayerShapes(job, sequences, nanobatch)
     sp, cp = job.sequence_parallel, job.cp_partitions  # p2p CP: no CP collective
-    f = {op.name: op for op in (fwd or forward_ops(job, sequences)) if isinstance(op, ComputeOp)}
+    f = {op.name: op for op in (fwd or forward_ops(job, sequences, nanobatch))
+         if isinstance(op, ComputeOp)}
     # The gradient of a forward all-reduce is an all-reduce at the input of the column-parallel
     # GEMM; with SP, forward all-gather <-> backward reduce-scatter and vice versa.
     in_grad_kind: CollectiveKind = "reduce_scatter" if sp else "all_reduce"

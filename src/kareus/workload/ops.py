@@ -135,7 +135,7 @@ class Segment:
     """The compute ops of one nanobatch between two collectives, and the collective ending it.
 
     ``direction`` is "fwd" or "bwd" (a recomputed forward is "fwd"); ``layer`` is the layer's
-    position within the pass, used only for counting.
+    position within the pass, used only for counting; ``nanobatch`` its nanobatch.
     """
 
     name: str
@@ -143,6 +143,8 @@ class Segment:
     ops: tuple[ComputeOp, ...]
     collective: Collective | None
     layer: int = 0
+    nanobatch: int = 0
+    """Which nanobatch's segment (0 or 1): a sequence split's differ in attention."""
 
     @property
     def base_key(self) -> str:

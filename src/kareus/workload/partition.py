@@ -1,9 +1,11 @@
 """Partitions, their keys and launch slots, exactly as Kareus defines them.
 
-Each microbatch is split into two nanobatches (an odd micro-batch size is not: such a job
-has no partitions, `sequential_only`). A pipeline instruction's op list is cut at
-every collective into segments; the compute stream runs nanobatch 0's segment i, then
-nanobatch 1's segment i, then nanobatch 0's segment i+1, ... A partition is the compute of
+Each microbatch is split into two nanobatches, along the batch or the sequence
+(`JobSpec.nanobatch_split`; a job without a split has no partitions, `sequential_only`).
+A pipeline instruction's op list is cut at every collective into segments; the compute
+stream runs nanobatch 0's segment i, then nanobatch 1's segment i, then nanobatch 0's
+segment i+1, ... (a sequence split's backward segments: nanobatch 1's first,
+`ExecutionGraph.stream_segments`). A partition is the compute of
 one such segment plus the collective that was issued just before it by the other
 nanobatch, which runs on the communication stream while the segment computes. The first
 segment of an instruction has no collective to hide ("solo"), and the last collective of
@@ -18,7 +20,9 @@ forward, ``mlp``/``o``/``a``/``qkv`` backward). With
 sequence parallelism the TP collectives become all-gather/reduce-scatter and the norms form
 their own segments (``ln1``, ``ln2``), for example ``fwd_attn_ag``, ``fwd_attn_rs``,
 ``fwd_ln1_ag``; when TP and CP all-gathers meet the same segment, the suffix names the group
-too (``_tpag``, ``_cpag``). Identical partitions across layers and stages share one key.
+too (``_tpag``, ``_cpag``). Identical partitions across layers and stages share one key;
+a segment whose ops differ by nanobatch (a sequence split's attention) has one key per
+nanobatch, suffixed ``_nb0``/``_nb1`` (``fwd_attn_nb0``).
 
 Launch slots (docs/anchors.md §4): consecutive memory-bound ops merge into one slot named by the
 first (``norm``, ``rope``, ``activation``); every GEMM is a ``linear`` slot and attention an
@@ -38,7 +42,7 @@ from kareus import SCHEMA_VERSION
 from kareus.core import DIRECTIONS, LAUNCH_FIRST
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
-from kareus.workload.graph import ExecutionGraph, StageGraph
+from kareus.workload.graph import ExecutionGraph, StageGraph, differing_segments, interleave
 from kareus.workload.layer import backward_ops, forward_ops
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
 
@@ -66,6 +70,9 @@ class Partition:
     """Occurrences per microbatch in the forward instruction of each stage."""
     count_backward: tuple[int, ...]
     """Occurrences per microbatch in the backward instruction of each stage."""
+    nanobatch: int | None = None
+    """The nanobatch whose compute this is, where the two differ (a sequence split's
+    attention: key suffix ``_nb0``/``_nb1``); None: the same for both."""
 
     @property
     def count_per_stage(self) -> tuple[int, ...]:
@@ -109,6 +116,7 @@ class Partition:
                 "forward": list(self.count_forward),
                 "backward": list(self.count_backward),
             },
+            **({"nanobatch": self.nanobatch} if self.nanobatch is not None else {}),
             "compute_ops": [op.to_dict() for op in self.compute_ops],
             "collective": self.collective.to_dict(),
             "slots": [s.name for s in self.slots],
@@ -202,22 +210,6 @@ def make_slots(ops: tuple[ComputeOp, ...]) -> tuple[Slot, ...]:
     return tuple(slots)
 
 
-def interleave(segments: list[Segment]) -> tuple[list[tuple[Segment, Collective | None]],
-                                                 Collective | None]:
-    """Pair each compute segment with the collective issued just before it.
-
-    Returns (segment, overlapped collective) in compute-stream order for both nanobatches,
-    and the last collective, which has nothing left to hide behind.
-    """
-    pairs: list[tuple[Segment, Collective | None]] = []
-    prev: Collective | None = None
-    for seg in segments:
-        for _nanobatch in range(2):
-            pairs.append((seg, prev))
-            prev = seg.collective
-    return pairs, prev
-
-
 @dataclass
 class PartitionSet:
     job: JobSpec
@@ -286,24 +278,27 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
     if not job.splits_into_nanobatches:
         return sequential_only(graph)
     tags = _collective_tags(graph)
+    by_nanobatch = differing_segments(graph)
 
     # Which collectives each segment meets, seen on a three-layer pass (enough to reach the
     # steady state from both sides); a suffix is needed where a segment meets several.
     meets: dict[str, set[str]] = {}
     for direction in DIRECTIONS:
-        pairs, _ = interleave(graph.pass_segments(direction, 3))
+        pairs, _ = interleave(graph.stream_segments(direction, 3))
         for seg, coll in pairs:
             if coll is not None:
                 meets.setdefault(seg.base_key, set()).add(tags[(coll.kind, coll.group)])
 
     def key_of(seg: Segment, coll: Collective) -> str:
         tag = tags[(coll.kind, coll.group)]
-        return seg.base_key if len(meets[seg.base_key]) == 1 else f"{seg.base_key}_{tag}"
+        key = seg.base_key if len(meets[seg.base_key]) == 1 else f"{seg.base_key}_{tag}"
+        # one key per nanobatch where their segments differ (a sequence split's attention)
+        return f"{key}_nb{seg.nanobatch}" if seg.base_key in by_nanobatch else key
 
     # Steady-state occurrences per layer: pairs whose compute belongs to the middle layer.
     per_layer: Counter = Counter()
     for direction in DIRECTIONS:
-        pairs, _ = interleave(graph.pass_segments(direction, 3))
+        pairs, _ = interleave(graph.stream_segments(direction, 3))
         per_layer.update(key_of(s, c) for s, c in pairs if c is not None and s.layer == 1)
 
     prototypes: dict[str, Partition] = {}
@@ -313,7 +308,7 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
         for direction in DIRECTIONS:
             before, after = _outside_steps(stage, direction)
             steps = list(before)
-            pairs, last = interleave(graph.pass_segments(direction, stage.num_layers))
+            pairs, last = interleave(graph.stream_segments(direction, stage.num_layers))
             for seg, coll in pairs:
                 if coll is None:
                     steps.append(Step("solo", seg.ops))
@@ -321,7 +316,8 @@ def build_partitions(graph: ExecutionGraph) -> PartitionSet:
                 key = key_of(seg, coll)
                 steps.append(Step("partition", (*seg.ops, coll), key))
                 if key not in prototypes:
-                    prototypes[key] = _prototype(job, key, seg, coll, per_layer[key])
+                    prototypes[key] = _prototype(job, key, seg, coll, per_layer[key],
+                                                 seg.base_key in by_nanobatch)
                 c = counts.setdefault(key, {d: [0] * len(graph.stages) for d in DIRECTIONS})
                 c[direction][stage.index] += 1
             if last is not None:
@@ -382,8 +378,8 @@ def _base(p: Partition) -> str:
     return f"{'fwd' if p.direction == 'forward' else 'bwd'}_{p.segment}"
 
 
-def _prototype(job: JobSpec, key: str, seg: Segment, coll: Collective, per_layer: int
-               ) -> Partition:
+def _prototype(job: JobSpec, key: str, seg: Segment, coll: Collective, per_layer: int,
+               per_nanobatch: bool) -> Partition:
     sm_choices = (job.sm_choices_all_reduce if coll.kind == "all_reduce"
                   else job.sm_choices_gather_scatter)
     return Partition(
@@ -397,4 +393,5 @@ def _prototype(job: JobSpec, key: str, seg: Segment, coll: Collective, per_layer
         count_per_layer=per_layer,
         count_forward=(),
         count_backward=(),
+        nanobatch=seg.nanobatch if per_nanobatch else None,
     )

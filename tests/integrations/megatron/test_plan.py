@@ -339,3 +339,25 @@ def test_the_layer_s_cp_communication_must_be_the_plan_s():
     wrong = _cp_mismatch(layer(Gathering()), p2p)
     assert wrong == ["core attention Gathering, whose K/V collectives are Kareus partitions "
                      "(the plan's job: cp_comm_type p2p, the ring inside the attention op)"]
+
+
+def test_a_micro_batch_1_job_s_plan_gives_the_layers_a_sequence_split_and_its_keys():
+    """The plan's job splits the sequence (micro-batch size 1): every layer plan says so,
+    and carries the planner's per-nanobatch attention keys."""
+    from kareus.integrations.megatron.plan import MegatronPlan
+
+    job = build_job(overrides={**JOB.model_dump(), "micro_batch_size": 1,
+                               "nanobatch_split": None})
+    parts = Workload.build(job).partitions.partitions
+    assert "fwd_attn_nb1" in parts and "bwd_attn_nb0" in parts
+    plan = _plan()
+    knobs = {k: PartitionSetting(7, p.slots[0].name) for k, p in parts.items()}
+    plan.execution.instruction_knobs = {iid: knobs for iid in plan.execution.instruction_knobs}
+    mp_plan = MegatronPlan(plan, job, 0)
+    for direction in ("forward", "backward"):
+        layer_plan = mp_plan._layer_plan(plan, 0, 0, direction)
+        assert layer_plan is not None and layer_plan.split == "sequence"
+        assert layer_plan.sms(layer_plan.key("bwd_attn", 0)) == 7
+        assert layer_plan.key("fwd_attn", 1) == "fwd_attn_nb1"
+    batch = MegatronPlan(_plan(), JOB, 0)._layer_plan(_plan(), 0, 0, "forward")
+    assert batch is not None and batch.split == "batch"

@@ -44,6 +44,13 @@ their gradients reduce-scattered are the CP partitions' collectives. Transformer
 own CP attention (its ring, ``cp_comm_type="p2p"``) is left whole: one compute op to the
 plan, whose partitions are then the TP ones.
 
+At micro-batch size 1 (or where the plan's job chooses it: ``kareus_nanobatch_split``)
+the two nanobatches are the sequence's halves instead (dimension 0): the schedule is the
+runtime's `OverlappedTP` with ``LayerPlan.split`` "sequence" over
+`kareus.integrations.megatron.seq_split.MegatronSeqOps`, nanobatch 1's core attention
+reading nanobatch 0's kept key and value; tensor parallelism only for now (with sequence
+or context parallelism it is refused in one line).
+
 Supported with a plan: tensor parallelism with or without sequence parallelism on
 Megatron's local modules (`get_gpt_layer_local_spec`) or Transformer Engine's
 (kareus.integrations.megatron.te: under SP the schedule gathers the pre-norm input of TE's
@@ -56,6 +63,7 @@ configuration.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,6 +82,7 @@ from kareus.integrations.megatron.ops import (
     cp_size,
     runs_cp_partitions,
 )
+from kareus.integrations.megatron.seq_split import MegatronSeqOps, nanobatch_split
 from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.overlap_cp_ops import OverlappedCPOps
@@ -143,6 +152,10 @@ class KareusTransformerLayer(TransformerLayer):
         self.kareus_cp_groups_by_sms: GroupsBySms | None = None
         """The same for the context-parallel group (the CP schedule's all-gathers and
         reduce-scatters)."""
+        self.kareus_nanobatch_split: str | None = None
+        """How a microbatch splits into the two nanobatches: "batch" or "sequence" (the
+        plan's job's); None: the batch where it is even, the sequence at micro-batch 1
+        (kareus.integrations.megatron.seq_split)."""
         self._kareus_call: _Call | None = None
         self._kareus_hooked = False
         if self.config.sequence_parallel:
@@ -170,7 +183,13 @@ class KareusTransformerLayer(TransformerLayer):
                                 f"supported: {SUPPORTED}")
         params = [p for p in self.parameters() if p.requires_grad]
         batch = hidden_states.shape[1]
-        if runs_cp_partitions(self):
+        if nanobatch_split(self, batch, plan) == "sequence":
+            self._check_sequence_split()
+            if plan.split != "sequence":  # chosen by the layer (micro-batch 1, the job)
+                plan = dataclasses.replace(plan, split="sequence")
+            out = OverlappedTP.apply(hidden_states, MegatronSeqOps(self, kwargs, batch),
+                                     plan, torch.is_grad_enabled(), *params)
+        elif runs_cp_partitions(self):
             out = OverlappedCPOps.apply(hidden_states, MegatronCPOps(self, kwargs, batch),
                                         plan, torch.is_grad_enabled(), *params)
         else:
@@ -178,6 +197,16 @@ class KareusTransformerLayer(TransformerLayer):
             out = schedule.apply(hidden_states, MegatronLayerOps(self, kwargs, batch), plan,
                                  torch.is_grad_enabled(), *params)
         return out, kwargs.get("context")
+
+    def _check_sequence_split(self) -> None:
+        """One line where the sequence split cannot run (issue 37: TP only for now)."""
+        problems = [what for what, on in (("context parallelism", cp_size(self) > 1),
+                                          ("sequence parallelism", sequence_parallel(self)))
+                    if on]
+        if problems:
+            raise SpecError(f"a Kareus plan cannot split the sequence into nanobatches "
+                            f"with {' or '.join(problems)} yet; supported: tensor "
+                            f"parallelism alone")
 
     # Hooks on Megatron's submodules --------------------------------------------------------
 

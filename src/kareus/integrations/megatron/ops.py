@@ -172,19 +172,12 @@ def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> Non
                         f"supported: {CP_SUPPORTED}")
 
 
-class MegatronCPOps(MegatronLayerOps):
-    """`kareus.runtime.overlap_cp_ops.CPLayerOps` over a `KareusTransformerLayer`'s own
-    modules, for one call of the layer."""
-
-    def __init__(self, layer: KareusTransformerLayer, kwargs: dict[str, Any],
-                 batch: int) -> None:
-        super().__init__(layer, kwargs, batch)
-        self.cp_group = layer.self_attention.core_attention.cp_group
-        self.cp_groups_by_sms = layer.kareus_cp_groups_by_sms
-
-    def nanobatch(self, index: int) -> MegatronCPOps:
-        half = super().nanobatch(index)
-        return MegatronCPOps(self.layer, half.kwargs, half.batch)
+class MegatronCutOps(MegatronLayerOps):
+    """`MegatronLayerOps` with the attention cut in three where its core attention reads
+    keys and values from elsewhere: `qkv_partial` (the fused QKV, its split, the q/k norms
+    and rotary), the core attention (each user's own: `MegatronCPOps.attention` on the
+    CP-gathered key and value, the sequence split's on the earlier nanobatch's too,
+    kareus.integrations.megatron.seq_split) and `proj_partial`."""
 
     def qkv_partial(self, a: Tensor, before: Before, taps: Taps
                     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -214,6 +207,26 @@ class MegatronCPOps(MegatronLayerOps):
                                         attn.config),
                                     cp_group=attn.pg_collection.cp)
 
+    def proj_partial(self, o: Tensor, before: Before, taps: Taps) -> Tensor:
+        with self.layer._kareus_piece(before, taps):
+            out, self._attn_bias = self.layer.self_attention.linear_proj(o)
+        return out
+
+
+class MegatronCPOps(MegatronCutOps):
+    """`kareus.runtime.overlap_cp_ops.CPLayerOps` over a `KareusTransformerLayer`'s own
+    modules, for one call of the layer."""
+
+    def __init__(self, layer: KareusTransformerLayer, kwargs: dict[str, Any],
+                 batch: int) -> None:
+        super().__init__(layer, kwargs, batch)
+        self.cp_group = layer.self_attention.core_attention.cp_group
+        self.cp_groups_by_sms = layer.kareus_cp_groups_by_sms
+
+    def nanobatch(self, index: int) -> MegatronCPOps:
+        half = super().nanobatch(index)
+        return MegatronCPOps(self.layer, half.kwargs, half.batch)
+
     def attention(self, q: Tensor, k_full: Tensor, v_full: Tensor, before: Before,
                   taps: Taps) -> Tensor:
         attn = self.layer.self_attention
@@ -223,11 +236,6 @@ class MegatronCPOps(MegatronLayerOps):
                                attn_mask_type=attn.attn_mask_type,
                                attention_bias=self.kwargs.get("attention_bias"),
                                packed_seq_params=None)
-        return out
-
-    def proj_partial(self, o: Tensor, before: Before, taps: Taps) -> Tensor:
-        with self.layer._kareus_piece(before, taps):
-            out, self._attn_bias = self.layer.self_attention.linear_proj(o)
         return out
 
 

@@ -145,19 +145,25 @@ class MegatronPlan:
         backward instruction, at its clock, and that re-run's settings drive the
         backward; None where the plan runs the backward Megatron-style."""
         ex = plan.execution
+        split = self.split
         bwd = layer_plan_for(ex, self.partitions, (stage, microbatch, "backward"),
-                             self.default_sms)
+                             self.default_sms, split)
         if direction == "backward":
             return bwd
         fwd = layer_plan_for(ex, self.partitions, (stage, microbatch, "forward"),
-                             self.default_sms)
+                             self.default_sms, split)
         if fwd is None:
             return None
         backward_keys = {k for k, p in self.partitions.items() if p.direction == "backward"}
         settings = {k: s for k, s in fwd.settings.items() if k not in backward_keys}
         if bwd is not None:
             settings.update({k: s for k, s in bwd.settings.items() if k in backward_keys})
-        return LayerPlan(settings, fwd.slot_ops)
+        return LayerPlan(settings, fwd.slot_ops, split)
+
+    @property
+    def split(self) -> str:
+        """The layers' nanobatch split: the plan's job's ("batch" where it has none)."""
+        return self.job.nanobatch_split or "batch"
 
     def sms_used(self) -> set[int]:
         """Every SM count the layers' plans give a collective (their groups, under NCCL:
@@ -217,6 +223,7 @@ class MegatronPlan:
         for layers in per_chunk.values():
             for layer in layers:
                 self._check_layer(layer)
+                layer.kareus_nanobatch_split = getattr(self.job, "nanobatch_split", None)
         self._check_controller()
         for c, chunk_model in pairs:
             self.chunks[c] = per_chunk[c]
