@@ -358,7 +358,9 @@ def test_the_planner_s_per_nanobatch_keys_set_the_collectives_of_the_computing_n
     """A sequence split's plan keys its attention partitions per nanobatch
     (``fwd_attn_nb1``, ``bwd_attn_nb0``, ``bwd_attn_nb1``): each collective takes the SMs
     of the partition whose compute it overlaps (backward: nanobatch 1 first); the exposed
-    ones the last partition's. A batch split's plan keeps the plain keys."""
+    ones, which the planner overlaps with the next layer's first compute (nanobatch 0's
+    attention forward, its MLP backward), that partition's. A batch split's plan keeps the
+    plain keys."""
     from kareus.runtime import overlap_tp
 
     seen: list[int] = []
@@ -376,15 +378,17 @@ def test_the_planner_s_per_nanobatch_keys_set_the_collectives_of_the_computing_n
         x = x.requires_grad_(True)
         OverlappedTP.apply(x, layer, plan, True, *params).backward(torch.ones_like(x))
 
-    sms = {"fwd_attn_nb1": 11, "fwd_mlp": 13, "bwd_mlp": 14, "bwd_attn_nb0": 15,
+    sms = {"fwd_attn_nb0": 12, "fwd_attn_nb1": 11, "fwd_mlp": 13, "bwd_mlp": 14, "bwd_attn_nb0": 15,
            "bwd_attn_nb1": 16}
     run(LayerPlan({k: PartitionSetting(v, None) for k, v in sms.items()}, split="sequence"),
         torch.randn(1, 8, 64))
-    # forward: AR(nb0.attn) | nb1.attn, AR(nb1.attn) | nb0.mlp, AR(nb0.mlp) | nb1.mlp, exposed
+    # forward: AR(nb0.attn) | nb1.attn, AR(nb1.attn) | nb0.mlp, AR(nb0.mlp) | nb1.mlp,
+    # exposed (the next layer's nb0.attn: fwd_attn_nb0)
     # backward: AR(db1) | nb0.mlp', AR(db0) | nb1.attn', AR(da1) | nb0.attn', exposed
-    assert seen == [11, 13, 13, 13, 14, 16, 15, 15]
+    # (the next layer's mlp': bwd_mlp)
+    assert seen == [11, 13, 13, 12, 14, 16, 15, 14]
     seen.clear()
     plain = {"fwd_attn": 3, "fwd_mlp": 4, "bwd_mlp": 5, "bwd_attn": 6}
     run(LayerPlan({k: PartitionSetting(v, None) for k, v in plain.items()}),
         torch.randn(2, 8, 64))
-    assert seen == [3, 4, 4, 4, 5, 6, 6, 6]
+    assert seen == [3, 4, 4, 3, 5, 6, 6, 5]

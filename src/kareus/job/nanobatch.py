@@ -5,7 +5,7 @@
 sequence's tokens (micro-batch size 1, the common case of large models): every op but the
 attention core is a batch split's, and the second half's queries also attend to the first
 half's keys. A job's default is ``batch`` where its micro-batch size is even, ``sequence``
-where it is 1 and the sequence halves (an even length, an even SP chunk, no CP), no split
+where it is 1 and the sequence halves (an even length, no CP, no SP), no split
 otherwise (an odd size > 1: Megatron-LM and Perseus run the microbatch whole).
 """
 
@@ -33,10 +33,13 @@ def sequence_split_problem(job: JobSpec) -> str | None:
         return f"a sequence split does not run with context parallelism (cp={job.cp}); use cp=1"
     if job.seq_length % 2 != 0:
         return f"a sequence split halves each sequence: seq_length {job.seq_length} is odd"
-    if job.sequence_parallel and (job.seq_length // 2) % job.tp != 0:
-        return (f"with sequence parallelism and a sequence split, tp={job.tp} must divide "
-                f"each half of the sequence ({job.seq_length // 2} tokens): seq_length / tp "
-                f"must be even")
+    if job.sequence_parallel and job.tp > 1:
+        # SP gives each TP rank one contiguous chunk of the sequence, so each half lives on
+        # half of the ranks: the halves' all-gathers and reduce-scatters would need another
+        # token layout through the whole model (embedding to loss), which Kareus does not run
+        return ("a sequence split does not run with sequence parallelism (each half of the "
+                "sequence sits on half of the TP ranks); use sequence_parallel false, or an "
+                "even micro-batch size")
     return None
 
 

@@ -129,8 +129,9 @@ def _slot(pending: Pending | None, launch_op: str | None) -> Before:
 def _forward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan, dim: int
              ) -> Tensor:
     # each collective's key (and slot) is its partition's: that of the compute it overlaps
-    # (the planner's per-nanobatch keys name the computing nanobatch); an exposed one
-    # takes the last partition's
+    # (the planner's per-nanobatch keys name the computing nanobatch). The layer's last
+    # collective overlaps the next layer's first compute in the planner's graph (nb0's
+    # attention); one layer cannot reach that, so it runs exposed at that partition's SMs
     nb0, nb1 = nbs
     attn1 = plan.key("fwd_attn", nb1.index)
     mlp0, mlp1 = plan.key("fwd_mlp", nb0.index), plan.key("fwd_mlp", nb1.index)
@@ -154,7 +155,7 @@ def _forward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan, di
     m1 = nb1.mlp(before)
     issue_at_end(c2)
     r2 = c2.wait()
-    r3 = collective(m1, mlp1, nb1.index).wait()  # exposed
+    r3 = collective(m1, plan.key("fwd_attn", nb0.index), nb0.index).wait()  # exposed
     return torch.cat([nb0.mlp_residual(r2), nb1.mlp_residual(r3)], dim=dim)
 
 
@@ -181,7 +182,8 @@ def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
     dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, plan.launch_op(attn1))
     issue_at_end(c2)
     da0_full = c2.wait()
-    da1_full = collective(da1, attn1, nb1.index).wait()  # exposed
+    # exposed: the planner overlaps it with the next layer's first backward (nb0's MLP)
+    da1_full = collective(da1, plan.key("bwd_mlp", nb0.index), nb0.index).wait()
     return (input_norm_backward(nb0, dx0, da0_full, grads),
             input_norm_backward(nb1, dx1, da1_full, grads))
 
