@@ -509,8 +509,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                         if (d == "backward" and not job.recompute
                                 and plan.partitions[key].direction == "forward"):
                             continue  # a backward without recompute runs no forward
-                        used.setdefault(key, set()).add(f"{s.sms} SMs before "
-                                                        f"{lp.launch_op(key) or 'the end'}")
+                        where = f"before {lp.launch_op(key) or 'the end'}"
+                        if key == "fwd_attn_nb0":
+                            # the planner overlaps it with the next layer's first attention,
+                            # which a layer's own schedule cannot reach
+                            where = "exposed at the layer's end"
+                        used.setdefault(key, set()).add(f"{s.sms} SMs {where}")
                 for key, settings in sorted(used.items()):
                     print(f"  {key}: {'; '.join(sorted(settings))}", flush=True)
         if reference is not None:

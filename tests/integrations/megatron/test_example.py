@@ -25,6 +25,7 @@ EXAMPLE = ROOT / "examples" / "megatron_gpt.py"
 JOB = ROOT / "examples" / "megatron_gpt.yaml"
 JOB_SP = ROOT / "examples" / "megatron_gpt_sp.yaml"
 JOB_CP = ROOT / "examples" / "megatron_gpt_cp.yaml"
+JOB_MBS1 = ROOT / "examples" / "megatron_gpt_mbs1.yaml"
 
 
 def _kareus(*args: str) -> subprocess.CompletedProcess:
@@ -63,6 +64,24 @@ def test_the_example_runs_a_context_parallel_plan_kareus_wrote(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip() == "megatron_gpt: error: --cp 1, but the plan's job has cp 2"
+
+
+def test_the_example_runs_a_micro_batch_1_plan_kareus_wrote(tmp_path):
+    done, plan_file = _done_when(tmp_path, JOB_MBS1, ["--tp", "2", "--mbs", "1"])
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["micro_batch_size"] == 1
+    assert "instructions ran the partitioned overlap on the sequence split in two" in done.stdout
+    # the planner's per-nanobatch keys reach the layer; nanobatch 0's forward attention
+    # partition holds the layer's last all-reduce, which runs exposed
+    assert "  fwd_attn_nb1: " in done.stdout
+    assert all("exposed at the layer's end" in line for line in done.stdout.splitlines()
+               if line.startswith("  fwd_attn_nb0: "))
+    # an mbs-1 plan with --mbs 2: one line, before any work
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--mbs", "2", "--plan",
+                           str(plan_file)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("megatron_gpt: error: --mbs 2, but the plan's job has "
+                                   "micro_batch_size 1")
 
 
 def _done_when(tmp_path: Path, job: Path, flags: list[str]
@@ -197,7 +216,9 @@ def test_a_ring_cp_job_is_refused_in_one_line(tmp_path):
 # layer over the planner's partitions of that job (its per-nanobatch attention keys,
 # fwd_attn_nb1, bwd_attn_nb0, ..., each its own SMs), against Megatron's plain model.
 # (`kareus optimize` of the example's job at mbs 1 finds no overlap worth it on its A100,
-# so a plan it exports runs Megatron's layer: the settings here are made by hand.)
+# so a plan it exports runs Megatron's layer: the settings here are made by hand, every
+# collective at its partition's last slot; examples/megatron_gpt_mbs1.yaml is the wider
+# job whose exported plans overlap, test_the_example_runs_a_micro_batch_1_plan_kareus_wrote.)
 
 
 def _example_module():
