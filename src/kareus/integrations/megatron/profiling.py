@@ -7,7 +7,8 @@ per-rank shapes: tensor-parallel size 1 with the heads, query groups and FFN of 
 (hidden/heads/TP ... exactly the GEMMs, attention and norms a rank of a TP group runs;
 the collective is the backend's: real over the group under torchrun, a stand-in copy on one
 GPU). A partition runs through the same pieces as the training executor
-(`MegatronLayerOps`, kareus.runtime.overlap_tp) on one nanobatch (half the microbatch):
+(`MegatronLayerOps`, kareus.runtime.overlap_tp) on one nanobatch (half the microbatch's
+samples, or of its sequence):
 
 - a forward partition: its residual, norm and core under ``torch.no_grad()`` (a forward
   instruction under full recompute keeps no graph), with the slot hook launching the
@@ -17,6 +18,14 @@ GPU). A partition runs through the same pieces as the training executor
   the next layer's input norm; ``bwd_attn``: the MLP norm), then its core; the residual
   backwards are additions of gradients, not run. The collective is launched by a gradient
   hook on the tensor whose backward the slot names, or at the start for a norm slot.
+
+With a sequence split (micro-batch size 1, issue 37) a nanobatch is the sample's half of
+the sequence (seq/2 tokens, `LayerShapes`), and the attention partitions are per
+nanobatch (``Partition.nanobatch``), run through `MegatronSeqOps.attn_partial_kv` as the
+executor runs them: nanobatch 0's causal over its half (its core also outputs its key and
+value, whose gradients, from nanobatch 1's backward, its backward takes), nanobatch 1's
+against nanobatch 0's kept key and value and its own (causal shifted by seq/2; its
+backward differentiates into nanobatch 0's key and value too).
 
 With sequence parallelism the norms form partitions of their own (``ln1``: the MLP
 residual and the input norm; ``ln2``: the attention residual and the MLP norm), run on a
@@ -56,7 +65,7 @@ from torch import Tensor
 
 from kareus.errors import SpecError
 from kareus.gpu.partition_runner import SideStream
-from kareus.gpu.runtimes import Collective, Runner
+from kareus.gpu.runtimes import Collective, KernelRuntime, Runner
 from kareus.integrations.megatron.layer import KareusTransformerLayer
 from kareus.integrations.megatron.ops import MegatronCPOps, MegatronLayerOps
 from kareus.integrations.megatron.order import check_job
@@ -146,6 +155,7 @@ class MegatronRuntime:
     def __init__(self, job: JobSpec, device: str) -> None:
         self.check_job(job)
         self.job, self.device = job, device
+        self._kernels: KernelRuntime | None = None
         self.layer = rank_layer(job, device)
         dtype = next(self.layer.parameters()).dtype
         # a nanobatch's shapes, as the planner's graph has them: half of the microbatch's
@@ -205,6 +215,13 @@ class MegatronRuntime:
 
     def runner(self, partition: Partition, slot: str | None, collective: Collective
                ) -> Runner:
+        if partition.key.startswith("overlap_"):
+            # the unsplit layer's weight-gradient GEMM beside its gradient's collective
+            # (a unit outside partitions, kareus.workload.partition): one GEMM, no
+            # layer piece of Megatron's runs it alone; the project's kernel at its shape
+            if self._kernels is None:
+                self._kernels = KernelRuntime(self.job, self.device)
+            return self._kernels.runner(partition, slot, collective)
         index = partition.launch_index(slot)
         launch_op = (partition.compute_ops[index].name
                      if index < len(partition.compute_ops) else None)
