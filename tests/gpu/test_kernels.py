@@ -63,3 +63,115 @@ def test_one_kernel_per_op_outside_partitions():
     gemm = next(op for op in p.compute_ops if op.kind == "gemm")
     assert build_kernel(gemm, shapes, "meta", torch.bfloat16).shapes == next(
         k.shapes for k in build_kernels(p, job, "meta") if k.name == gemm.name)
+
+
+SEQ = {**TINY, "micro_batch_size": 1}
+"""Micro-batch size 1 (issue 37): a sequence split, two nanobatches of 64 of 128 tokens."""
+
+
+class _Attentions(torch.overrides.TorchFunctionMode):
+    """Records the scaled_dot_product_attention calls made inside it: ``calls`` (query
+    shape, key shape, (query, key) pairs computed per sample and head), ``inputs`` (q, k,
+    v). A mode, not a patched function: torch's CausalBias dispatches on the function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+        self.inputs: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            from torch.nn.attention.bias import CausalBias
+
+            q, k, v = args[:3]
+            mask, causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
+            s_q, s_k = q.shape[-2], k.shape[-2]
+            if isinstance(mask, CausalBias):
+                pairs = int(mask._materialize(q.device).sum())
+            elif mask is not None:
+                pairs = int(mask.sum())
+            else:  # is_causal: SDPA's upper-left alignment
+                pairs = int(torch.ones(s_q, s_k).tril().sum()) if causal else s_q * s_k
+            self.calls.append((tuple(q.shape), tuple(k.shape), pairs))
+            self.inputs.append((q, k, v))
+        return func(*args, **kwargs)
+
+
+def test_a_sequence_split_s_kernels_run_half_the_sequence():
+    """At micro-batch size 1 every kernel of a partition runs one sample's half of the
+    sequence (64 tokens): GEMMs, norms, residuals; nanobatch 0's attention is its 64
+    queries against its 64 keys, causal; nanobatch 1's its 64 queries (the last) against
+    all 128 keys, the first 64 in full and its own causally: ~3x the pairs (64·64 + 2080
+    against 2080), forward and backward."""
+    job = build_job(overrides=SEQ)
+    assert job.sequence_split
+    parts = Workload.build(job).partitions.partitions
+    pairs = {}
+    for key, p in parts.items():
+        kernels = build_kernels(p, job, device="cpu", dtype_name="float32")
+        for k, op in zip(kernels, p.compute_ops):
+            if op.kind == "gemm":  # the tokens: rows of a forward or data gradient GEMM,
+                # the reduction of a weight gradient
+                (m, _n, kk), = op.gemm_shapes
+                assert (kk if op.name.endswith("wgrad") else m) == 64, (key, op.name)
+            elif op.name in ("residual_mlp", "input_norm", "residual_attn", "pre_mlp_norm"):
+                assert k.shapes[0] == (64, 256), (key, op.name)
+            elif op.kind == "attention":
+                with _Attentions() as seen:
+                    k.run()
+                (q_shape, k_shape, n), = seen.calls
+                nb = int(key[-1])
+                assert q_shape == (1, 2, 64, 64)  # one sample, a rank's 2 heads
+                assert k_shape == (1, 1, 64 * (nb + 1), 64), key  # its 1 query group
+                pairs[key] = n
+            k.run()
+    causal = 64 * 65 // 2
+    assert pairs == {"fwd_attn_nb0": causal, "bwd_attn_nb0": causal,
+                     "fwd_attn_nb1": 64 * 64 + causal, "bwd_attn_nb1": 64 * 64 + causal}
+    assert 2.9 < pairs["fwd_attn_nb1"] / pairs["fwd_attn_nb0"] < 3
+
+
+def test_a_sequence_split_s_second_half_attention_is_causal_at_its_positions():
+    """Nanobatch 1's attention kernel equals the last 64 rows of a causal attention over
+    all 128 tokens (its mask aligned to the lower right, not SDPA's upper-left
+    is_causal)."""
+    job = build_job(overrides=SEQ)
+    op = next(o for o in Workload.build(job).partitions["fwd_attn_nb1"].compute_ops
+              if o.kind == "attention")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kernel = build_kernel(op, LayerShapes(job, nanobatch=1), "cpu", torch.float32)
+    with _Attentions() as seen:
+        got = kernel.run()
+    (q, k, v), = seen.inputs
+    # the whole sequence's queries (nanobatch 0's arbitrary), causal: the last 64 rows
+    whole = torch.cat([torch.randn_like(q), q], dim=-2)
+    want = sdpa(whole, k, v, is_causal=True, enable_gqa=True)[..., 64:, :]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, sdpa(q, k, v, is_causal=True, enable_gqa=True),
+                              atol=1e-3)
+
+
+def test_ops_outside_partitions_run_at_the_shapes_they_were_built_with():
+    """`op_shapes`: a partition's op at its nanobatch's shapes; the unsplit layer's (the
+    Megatron-LM and Perseus baselines) and the final norm at the whole microbatch's.
+    Batch split: the microbatch's 2 samples, not a nanobatch's 1."""
+    from kareus.gpu.kernels import op_shapes
+    from kareus.workload.layer import forward_ops
+
+    for overrides, nanobatch_tokens in ((TINY, 128), (SEQ, 64)):
+        job = build_job(overrides=overrides)
+        shapes = op_shapes(job)
+        wl = Workload.build(job)
+        for p in wl.partitions.partitions.values():
+            for op in p.compute_ops:
+                assert shapes(op).tokens == nanobatch_tokens, (p.key, op.name)
+        whole = [op for op in forward_ops(job, sequences=job.micro_batch_size)
+                 if op.name == "residual_mlp"]
+        assert shapes(whole[0]).tokens == 2 * nanobatch_tokens
+        k = build_kernel(whole[0], shapes(whole[0]), "meta", torch.bfloat16)
+        assert k.shapes[0] == (2 * nanobatch_tokens, 256)
+        attn = next(op for op in forward_ops(job, sequences=job.micro_batch_size)
+                    if op.kind == "attention")
+        q, kk, _v = build_kernel(attn, shapes(attn), "meta", torch.bfloat16).shapes
+        assert q[0] * q[2] == 2 * nanobatch_tokens and kk[2] == 128

@@ -32,11 +32,10 @@ from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import GPUDevice
-from kareus.gpu.kernels import build_kernel, import_torch, stand_in_collective
+from kareus.gpu.kernels import build_kernel, import_torch, op_shapes, stand_in_collective
 from kareus.gpu.power_guard import PowerLimitGuard
 from kareus.gpu.runtimes import PartitionRuntime, Runner, check_runtime, runtime_class
 from kareus.job.spec import JobSpec
-from kareus.workload.layer import LayerShapes
 from kareus.workload.ops import Collective, Op
 from kareus.workload.partition import Partition
 from kareus.workload.workload import Workload
@@ -80,6 +79,8 @@ class NvmlBackend:
         self._runners: dict[tuple[str, int, str | None], Runner] = {}
         self._collectives: dict[tuple[str, int], Callable[[], object]] = {}
         self._op_runs: dict[tuple[tuple[Op, ...], int], list[Callable[[], object]]] = {}
+        # each op at the shapes it was built with (a nanobatch's, or the microbatch's)
+        self._op_shapes = op_shapes(job)
         self._window_ended: float | None = None
         """When the last measurement's window ended (its cooldown began)."""
         self._clock_changed: float | None = None
@@ -161,10 +162,10 @@ class NvmlBackend:
         fns = self._op_runs.get((ops, sms))
         if fns is None:
             torch = import_torch()
-            shapes = LayerShapes(self.job)
+            shapes = self._op_shapes
             fns = self._op_runs[(ops, sms)] = [
                 self._collective(op, sms) if isinstance(op, Collective)
-                else build_kernel(op, shapes, self.torch_device, torch.bfloat16).run
+                else build_kernel(op, shapes(op), self.torch_device, torch.bfloat16).run
                 for op in ops]
         return fns
 

@@ -8,6 +8,15 @@ the fused attention forward and backward through autograd (flash attention needs
 forward's statistics), so it does about 3.5x the forward's work where the graph counts
 2.5x: a documented overestimate of one kernel.
 
+Each op's kernel is sized by the shapes the graph built the op with (`op_shapes`): a
+nanobatch's (a partition's nanobatch, kareus.workload.layer.LayerShapes) or the whole
+microbatch's (the unsplit layer of the Megatron-LM and Perseus baselines, the ops before
+and after a stage's layers). With a sequence split (micro-batch size 1) a nanobatch is
+half of the sequence: its per-token kernels run on seq/2 tokens, and its attention on the
+keys the op reads (``ComputeOp.attn_keys``) with its queries the last seq/2 of them:
+nanobatch 0's a causal square, nanobatch 1's the first half's keys in full and its own
+causally (a lower-right aligned causal mask, ~3x nanobatch 0's work).
+
 torch is imported lazily (`import_torch`); on the "meta" device nothing is computed, only
 shapes.
 """
@@ -56,11 +65,30 @@ def import_torch() -> ModuleType:
 
 def build_kernels(partition: Partition, job: JobSpec, device: str = "cpu",
                   dtype_name: str = "bfloat16") -> list[Kernel]:
-    """The partition's compute ops as kernels, in order."""
+    """The partition's compute ops as kernels, in order, at its nanobatch's shapes."""
     torch = import_torch()
     dtype = getattr(torch, dtype_name)
-    sh = LayerShapes(job)
+    sh = LayerShapes(job, nanobatch=partition.nanobatch or 0)
     return [build_kernel(op, sh, device, dtype) for op in partition.compute_ops]
+
+
+def op_shapes(job: JobSpec) -> Callable[[ComputeOp], LayerShapes]:
+    """The shapes each of ``job``'s compute ops was built with, for ops measured outside
+    partitions (`build_kernel` of a run of ops): a nanobatch layer's op at that
+    nanobatch's shapes; anything else (the unsplit layer, the ops around the layers:
+    their tokens are the whole microbatch's) at the microbatch's."""
+    from kareus.workload.layer import backward_ops, forward_ops
+
+    whole = LayerShapes(job, sequences=job.micro_batch_size)
+    by_op: dict[ComputeOp, LayerShapes] = {}
+    if job.splits_into_nanobatches:
+        for nb in (1, 0):  # an op both nanobatches share: nanobatch 0's shapes
+            sh = LayerShapes(job, nanobatch=nb)
+            fwd = forward_ops(job, nanobatch=nb)
+            for op in (*fwd, *backward_ops(job, fwd, nanobatch=nb)):
+                if isinstance(op, ComputeOp):
+                    by_op[op] = sh
+    return lambda op: by_op.get(op, whole)
 
 
 def build_kernel(op: ComputeOp, shapes: LayerShapes, device: str,
@@ -91,13 +119,32 @@ def _gemm(op: ComputeOp, new: _New) -> Kernel:
     return Kernel(op.name, "gemm", run_gemm, shapes)
 
 
+def attention_lengths(op: ComputeOp, sh: LayerShapes) -> tuple[int, int]:
+    """(queries, keys) per sequence of an attention op built at ``sh``. A sequence split's
+    nanobatch: the op's keys (``attn_keys``; nanobatch 1 reads nanobatch 0's too), its
+    ``s_local`` queries the last of them. Otherwise a rank's queries against the whole
+    sequence's keys (with CP the local queries see a longer history)."""
+    if sh.job.sequence_split:
+        return sh.s_local, op.attn_keys
+    return sh.s_local, sh.s_full
+
+
 def _attention(op: ComputeOp, sh: LayerShapes, new: _New, device: str) -> Kernel:
     torch = import_torch()
     b, d = sh.b, sh.d
-    q = new(b, sh.heads, sh.s_local, d)
-    k = new(b, sh.kv_heads, sh.s_full, d)
-    v = new(b, sh.kv_heads, sh.s_full, d)
-    causal = sh.s_local == sh.s_full  # with CP the local queries see a longer history
+    queries, keys = attention_lengths(op, sh)
+    q = new(b, sh.heads, queries, d)
+    k = new(b, sh.kv_heads, keys, d)
+    v = new(b, sh.kv_heads, keys, d)
+    causal = queries == keys
+    mask: torch_types.Tensor | None = None
+    if sh.job.sequence_split and not causal:
+        # the queries are the last rows: causal aligned to the lower right (SDPA's
+        # is_causal is aligned to the upper left); torch's CausalBias keeps the fused
+        # kernels where they take it, else it is an explicit mask
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(queries, keys)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     gqa = sh.heads != sh.kv_heads
     shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
@@ -106,7 +153,7 @@ def _attention(op: ComputeOp, sh: LayerShapes, new: _New, device: str) -> Kernel
         qg, kg, vg = (t.detach().requires_grad_(device != "meta") for t in (q, k, v))
 
         def run_attn_bwd() -> object:
-            out = sdpa(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
+            out = sdpa(qg, kg, vg, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
             return out
@@ -114,7 +161,7 @@ def _attention(op: ComputeOp, sh: LayerShapes, new: _New, device: str) -> Kernel
         return Kernel(op.name, "attention", run_attn_bwd, shapes)
 
     def run_attn() -> object:
-        return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
     return Kernel(op.name, "attention", run_attn, shapes)
 

@@ -31,29 +31,50 @@ JOB = build_job(overrides=dict(
 
 JOB_SP = build_job(overrides={**JOB.model_dump(), "sequence_parallel": True})
 JOB_CP = build_job(overrides={**JOB.model_dump(), "cp": 2, "gpus_per_node": 4})
+JOB_SEQ = build_job(overrides={**JOB.model_dump(), "micro_batch_size": 1,
+                               "nanobatch_split": "sequence"})
+"""Micro-batch size 1 (issue 37): two nanobatches, each half of the 16-token sequence."""
 CP_KEYS = {"fwd_qkv_ag", "fwd_qkv_ar", "fwd_ao_ag", "fwd_ao_ar", "fwd_mlp", "bwd_mlp",
            "bwd_o_ag", "bwd_o_ar", "bwd_a_ag", "bwd_a_rs", "bwd_qkv_ar", "bwd_qkv_rs"}
 """The keys `kareus partitions --preset kareus-2` prints (TP x CP, all-gather CP)."""
-JOBS = {"tp": JOB, "sp": JOB_SP, "cp": JOB_CP}
+JOBS = {"tp": JOB, "sp": JOB_SP, "cp": JOB_CP, "seq": JOB_SEQ}
 
 
-def _run_every_slot(job, res: dict) -> dict:
+def _attended(q, k, mask, kind) -> int | None:
+    """The (query, key) pairs a core attention call computes, per sample and head:
+    Megatron's boolean mask (True: masked out), or causal (a square), or all; None for
+    a causal one that is not a square (CP's, whose core attention aligns it)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if mask is not None:
+        return int((~mask.bool()).sum())
+    s_q, s_k = q.shape[0], k.shape[0]
+    if kind == AttnMaskType.causal:
+        return s_q * (s_q + 1) // 2 if s_q == s_k else None
+    return s_q * s_k
+
+
+def _run_every_slot(job, res: dict, pairs: dict | None = None) -> dict:
     """Every partition of ``job`` at every slot, twice: per (key, slot) the events (the
     collective's launches with the number of ops announced before them; the parameters'
     gradients; in a backward, "qkv_out" and "attn_q": the gradients of the QKV output and
-    of the core attention's query) and the ops announced; per key, what the core
-    attention saw (query and key shapes, its CP size and rank, whether the key and value
-    came gathered), returned."""
+    of the core attention's query; "past_k", "past_v": those of the earlier nanobatch's
+    key and value a sequence split's nanobatch 1 reads) and the ops announced; per key,
+    what the core attention saw (query and key shapes, its CP size and rank, whether the
+    key and value came gathered), returned; into ``pairs`` per key the (query, key) pairs
+    its core attention computed."""
     from kareus.integrations.megatron.profiling import MegatronRuntime
 
     rt = MegatronRuntime(job, "cpu")
     attn = rt.layer.self_attention
     attention: dict = {}
+    pairs = {} if pairs is None else pairs
     for key, part in Workload.build(job).partitions.partitions.items():
         for slot in [s.name for s in part.slots] + [None]:
             events: list = []
             box: list = []  # the runner, once built: where its ops stand at the launch
             seen = attention.setdefault(key, set())
+            counted = pairs.setdefault(key, set())
 
             def collective(events=events, box=box):
                 events.append(("COLL", len(getattr(box[0], "ops_run", []))))
@@ -65,17 +86,23 @@ def _run_every_slot(job, res: dict) -> dict:
             def on_qkv(_m, _args, out):
                 grad_event(out[0], "qkv_out")
 
-            def on_attention(m, args, seen=seen):
+            def on_attention(m, args, kwargs, seen=seen, counted=counted):
                 q, k = args[:2]
                 seen.add((tuple(q.shape), tuple(k.shape), getattr(m, "cp", 1),
                           getattr(m, "cp_rank", 0), getattr(m, "_kv_gathered", False)))
+                mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+                counted.add(_attended(q, k, mask, kwargs.get("attn_mask_type",
+                                                             m.attn_mask_type)))
                 grad_event(q, "attn_q")
 
             modules = ([attn.linear_qkv.register_forward_hook(on_qkv)]
                        if key.startswith("bwd") else [])
-            modules.append(attn.core_attention.register_forward_pre_hook(on_attention))
+            modules.append(attn.core_attention.register_forward_pre_hook(
+                on_attention, with_kwargs=True))
             runner = rt.runner(part, slot, collective)
             box.append(runner)
+            for name, t in zip(("past_k", "past_v"), getattr(runner, "past", ())):
+                grad_event(t, name)
             if key.startswith("bwd"):
                 hooks = [p.register_hook(lambda g, n=n, events=events: events.append(n))
                          for n, p in rt.layer.named_parameters()]
@@ -103,6 +130,10 @@ def _worker(_rank: int, out_dir: str) -> None:
     res["sp"], res["cp"] = {}, {}
     _run_every_slot(JOB_SP, res["sp"])
     res["cp attention"] = _run_every_slot(JOB_CP, res["cp"])
+    res["seq"], res["seq pairs"] = {}, {}
+    res["seq attention"] = _run_every_slot(JOB_SEQ, res["seq"], res["seq pairs"])
+    rt_seq = MegatronRuntime(JOB_SEQ, "cpu")
+    res["seq shapes"] = (tuple(rt_seq.x.shape), tuple(rt_seq.past[0].shape))
     spec = FakeGpuSpec(runtime="megatron",
                        protocol=MeasurementProtocol(window_s=0.01, cooldown_s=0.0,
                                                     settle_s=0.0))
@@ -128,6 +159,23 @@ def _worker(_rank: int, out_dir: str) -> None:
             res["cp measured"][key] = (m.time_s, m.energy_j)
     with FakeGpuSpec().open(wl) as backend:
         res["kernels identity"] = backend.identity()
+    spec.check(JOB_SEQ)
+    wl_seq = Workload.build(JOB_SEQ)
+    with spec.open(wl_seq) as backend:
+        res["seq measured"] = {}
+        for key, part in wl_seq.partitions.partitions.items():
+            m = backend.measure(part, Knobs(1410, 6, part.slots[-1].name))
+            res["seq measured"][key] = (m.time_s, m.energy_j)
+        # the unsplit layer's weight-gradient GEMMs beside their collectives (units
+        # outside partitions, what the Megatron-LM and Perseus baselines run)
+        ps = wl_seq.partitions
+        steps = [*(st for layout in ps.layouts.values() for st in layout.steps),
+                 *(st for layer in ps.sequential_layer.values() for st in layer)]
+        units = {step.unit.key: step.unit for step in steps if step.unit is not None}
+        res["overlap measured"] = {}
+        for key, unit in units.items():
+            m = backend.measure(unit, Knobs(1410, 6, None))
+            res["overlap measured"][key] = (m.time_s, m.energy_j)
     torch.save(res, os.path.join(out_dir, "res.pt"))
 
 
@@ -296,3 +344,57 @@ def test_context_parallel_backward_slots_launch_inside_the_right_op(measured):
         at, _, run = first_run(key, "linear_0")
         assert (run.index("pre_mlp_layernorm.weight") < at
                 < run.index("self_attention.linear_proj.weight")), run
+
+
+def test_a_sequence_split_is_measured_at_half_the_sequence(measured):
+    """Micro-batch size 1 (issue 37): a nanobatch is the one sample's half of the
+    sequence (8 of 16 tokens); nanobatch 0's key and value, which nanobatch 1 reads, are
+    8 tokens of the rank's one query group. Every partition is measured."""
+    assert measured["seq shapes"] == ((8, 1, 64), (8, 1, 1, 16))
+    keys = set(Workload.build(JOB_SEQ).partitions.partitions)
+    assert {"fwd_attn_nb0", "fwd_attn_nb1", "bwd_attn_nb0", "bwd_attn_nb1"} <= keys
+    assert set(measured["seq measured"]) == keys
+    for key, (time_s, energy_j) in measured["seq measured"].items():
+        assert time_s > 0 and energy_j > 0, key
+
+
+def test_a_sequence_split_s_attention_reads_the_keys_its_nanobatch_sees(measured):
+    """Nanobatch 0's core attention: its 8 queries against its 8 keys, causal (36 pairs);
+    nanobatch 1's: its 8 queries (the last) against all 16 keys, nanobatch 0's in full
+    and its own causally (64 + 36 = 100 pairs, ~3x nanobatch 0's: 3x in the limit);
+    forward and backward alike, the MLP partitions none."""
+    q = (8, 1, 2, 16)  # 8 tokens, 1 sample, the rank's 2 heads
+    want = {"fwd_attn_nb0": ((q, (8, 1, 1, 16)), 36), "fwd_attn_nb1": ((q, (16, 1, 1, 16)), 100)}
+    want |= {k.replace("fwd", "bwd"): v for k, v in want.items()}
+    for key, seen in measured["seq attention"].items():
+        pairs = measured["seq pairs"][key]
+        if key not in want:
+            assert seen == set() and pairs == set(), key
+            continue
+        shapes, n = want[key]
+        assert seen == {(*shapes, 1, 0, False)}, (key, seen)
+        assert pairs == {n}, (key, pairs)
+
+
+def test_a_sequence_split_s_nanobatch_1_backward_gives_nanobatch_0_s_key_and_value_grads(
+        measured):
+    """bwd_attn_nb1 differentiates into the key and value of nanobatch 0 it read (the
+    executor hands those gradients to nanobatch 0's backward), every run; nanobatch 0's
+    backward reads no earlier key and value."""
+    seq = measured["seq"]
+    for slot in [s.name for s in Workload.build(JOB_SEQ).partitions["bwd_attn_nb1"].slots]:
+        events, _ = seq[("bwd_attn_nb1", slot)]
+        assert events.count("past_k") == events.count("past_v") == 2, (slot, events)
+    events, _ = seq[("bwd_attn_nb0", None)]
+    assert "past_k" not in events and "attn_q" in events
+
+
+def test_overlap_units_outside_partitions_are_measured(measured):
+    """The unsplit layer's weight-gradient GEMM beside its gradient's all-reduce (a unit
+    `kareus profile` measures for the baselines): the megatron runtime runs it as the
+    project's GEMM kernel (it used to refuse it, failing `kareus profile --runtime
+    megatron` at any micro-batch size)."""
+    got = measured["overlap measured"]
+    assert {"overlap_fc1_wgrad_fc1_grad_ar", "overlap_qkv_wgrad_qkv_grad_ar"} <= set(got)
+    for key, (time_s, energy_j) in got.items():
+        assert time_s > 0 and energy_j > 0, key

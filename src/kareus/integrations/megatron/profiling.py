@@ -7,7 +7,8 @@ per-rank shapes: tensor-parallel size 1 with the heads, query groups and FFN of 
 (hidden/heads/TP ... exactly the GEMMs, attention and norms a rank of a TP group runs;
 the collective is the backend's: real over the group under torchrun, a stand-in copy on one
 GPU). A partition runs through the same pieces as the training executor
-(`MegatronLayerOps`, kareus.runtime.overlap_tp) on one nanobatch (half the microbatch):
+(`MegatronLayerOps`, kareus.runtime.overlap_tp) on one nanobatch (half the microbatch's
+samples, or of its sequence):
 
 - a forward partition: its residual, norm and core under ``torch.no_grad()`` (a forward
   instruction under full recompute keeps no graph), with the slot hook launching the
@@ -17,6 +18,14 @@ GPU). A partition runs through the same pieces as the training executor
   the next layer's input norm; ``bwd_attn``: the MLP norm), then its core; the residual
   backwards are additions of gradients, not run. The collective is launched by a gradient
   hook on the tensor whose backward the slot names, or at the start for a norm slot.
+
+With a sequence split (micro-batch size 1, issue 37) a nanobatch is the sample's half of
+the sequence (seq/2 tokens, `LayerShapes`), and the attention partitions are per
+nanobatch (``Partition.nanobatch``), run through `MegatronSeqOps.attn_partial_kv` as the
+executor runs them: nanobatch 0's causal over its half (its core also outputs its key and
+value, whose gradients, from nanobatch 1's backward, its backward takes), nanobatch 1's
+against nanobatch 0's kept key and value and its own (causal shifted by seq/2; its
+backward differentiates into nanobatch 0's key and value too).
 
 With sequence parallelism the norms form partitions of their own (``ln1``: the MLP
 residual and the input norm; ``ln2``: the attention residual and the MLP norm), run on a
@@ -56,14 +65,17 @@ from torch import Tensor
 
 from kareus.errors import SpecError
 from kareus.gpu.partition_runner import SideStream
-from kareus.gpu.runtimes import Collective, Runner
+from kareus.gpu.runtimes import Collective, KernelRuntime, Runner
 from kareus.integrations.megatron.layer import KareusTransformerLayer
 from kareus.integrations.megatron.ops import MegatronCPOps, MegatronLayerOps
 from kareus.integrations.megatron.order import check_job
+from kareus.integrations.megatron.seq_split import MegatronSeqOps
 from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import BACKWARD_TAPS, Taps
 from kareus.runtime.overlap_cp_ops import pair_kv, unpair_kv
 from kareus.runtime.overlap_tp import no_slot
+from kareus.runtime.pieces import Before
+from kareus.workload.layer import LayerShapes
 from kareus.workload.partition import Partition
 
 SEGMENTS = {False: ("attn", "mlp"), True: ("ln1", "attn", "ln2", "mlp")}
@@ -143,12 +155,16 @@ class MegatronRuntime:
     def __init__(self, job: JobSpec, device: str) -> None:
         self.check_job(job)
         self.job, self.device = job, device
+        self._kernels: KernelRuntime | None = None
         self.layer = rank_layer(job, device)
         dtype = next(self.layer.parameters()).dtype
-        half = max(1, job.micro_batch_size // 2)
+        # a nanobatch's shapes, as the planner's graph has them: half of the microbatch's
+        # samples, or (a sequence split, micro-batch size 1) its one sample's half of the
+        # sequence; under CP a rank's two load-balanced chunks (seq/CP tokens)
+        shapes = LayerShapes(job)
+        half, tokens = shapes.b, shapes.s_local
         self.cp = job.cp if job.cp_partitions else 1
-        # a rank's hidden states: under CP its two load-balanced chunks (seq/CP tokens)
-        tokens = job.seq_length // self.cp
+        self.seq = job.sequence_split
         g = torch.Generator().manual_seed(0)
 
         def new(*shape: int) -> Tensor:
@@ -159,7 +175,7 @@ class MegatronRuntime:
         self.x, self.r, self.grad = new(tokens, half, h), new(tokens, half, h), new(
             tokens, half, h)
         # under SP, the norms' and residuals' tokens: this rank's part of the sequence
-        shard = job.seq_length // job.tp if job.sequence_parallel else tokens
+        shard = tokens // job.tp if job.sequence_parallel else tokens
         self.xs, self.rs, self.grads = (t[:shard] for t in (self.x, self.r, self.grad))
         self.sp = job.sequence_parallel
         from kareus.integrations.megatron.cp_attention import load_balanced
@@ -170,6 +186,17 @@ class MegatronRuntime:
                             self.cp, 0).to(device)
         kwargs = {"attention_mask": None, "rotary_pos_emb": emb}
         self.ops: MegatronLayerOps
+        if self.seq:
+            # the whole sequence's ops: each nanobatch's attention cuts the rotary
+            # embedding to its rows (MegatronSeqOps.attn_partial_kv)
+            self.ops = seq_ops = MegatronSeqOps(self.layer, kwargs, half)
+            with torch.no_grad():  # nanobatch 0's key and value, which nanobatch 1 reads
+                _, k0, v0 = seq_ops.attn_partial_kv(seq_ops.attn_norm(self.x), None,
+                                                    no_slot, {})
+            self.past = (k0.detach(), v0.detach())
+            # their gradients, which nanobatch 1's backward gives nanobatch 0's
+            self.past_grad = (new(*k0.shape), new(*v0.shape))
+            return
         if self.cp == 1:
             self.ops = MegatronLayerOps(self.layer, kwargs, half)
             return
@@ -188,6 +215,13 @@ class MegatronRuntime:
 
     def runner(self, partition: Partition, slot: str | None, collective: Collective
                ) -> Runner:
+        if partition.key.startswith("overlap_"):
+            # the unsplit layer's weight-gradient GEMM beside its gradient's collective
+            # (a unit outside partitions, kareus.workload.partition): one GEMM, no
+            # layer piece of Megatron's runs it alone; the project's kernel at its shape
+            if self._kernels is None:
+                self._kernels = KernelRuntime(self.job, self.device)
+            return self._kernels.runner(partition, slot, collective)
         index = partition.launch_index(slot)
         launch_op = (partition.compute_ops[index].name
                      if index < len(partition.compute_ops) else None)
@@ -200,19 +234,41 @@ class MegatronRuntime:
         if partition.segment not in segments:
             raise ValueError(f"the megatron runtime runs partitions of the segments "
                              f"{', '.join(segments)}, not {partition.key}")
+        nanobatch = partition.nanobatch
+        if self.seq and segment == "tp_attn" and nanobatch is None:
+            raise ValueError(f"a sequence split's attention partitions are per nanobatch "
+                             f"(fwd_attn_nb0, fwd_attn_nb1, ...), not {partition.key}")
         side = SideStream(collective, self.device)
         if partition.direction == "forward":
-            return _ForwardRunner(self, segment, launch_op, side)
-        return _BackwardRunner(self, segment, launch_op, side)
+            return _ForwardRunner(self, segment, launch_op, side, nanobatch)
+        return _BackwardRunner(self, segment, launch_op, side, nanobatch)
+
+    def attention(self, a: Tensor, nanobatch: int | None, before: Before, taps: Taps,
+                  past: tuple[Tensor, Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor] | Tensor:
+        """The attention core (QKV to the partial output projection) of ``nanobatch`` on
+        ``a``, as the executor runs it. A sequence split: nanobatch 0's returns its key
+        and value too (nanobatch 1 reads them); nanobatch 1's reads ``past`` (nanobatch
+        0's kept key and value; default: this runtime's)."""
+        if not self.seq:
+            return self.ops.attn_partial(a, before, taps)
+        ops = self.ops
+        assert isinstance(ops, MegatronSeqOps)
+        if nanobatch == 1:
+            out, _k, _v = ops.attn_partial_kv(a, past or self.past, before, taps)
+            return out
+        return ops.attn_partial_kv(a, None, before, taps)
 
 
 class _ForwardRunner:
     """``segment``: "tp_attn", "tp_mlp" (norm and core), under SP "ln1", "attn", "ln2",
-    "mlp", under CP "cp_qkv", "cp_ao", "tp_mlp"."""
+    "mlp", under CP "cp_qkv", "cp_ao", "tp_mlp". ``nanobatch``: the partition's, where
+    the nanobatches' compute differs (a sequence split's attention)."""
 
     def __init__(self, rt: MegatronRuntime, segment: str, launch_op: str | None,
-                 side: SideStream) -> None:
+                 side: SideStream, nanobatch: int | None = None) -> None:
         self.rt, self.segment, self.launch_op, self.side = rt, segment, launch_op, side
+        self.nanobatch = nanobatch
         self.ops_run: list[str] = []
         """The ops' names as the pieces announce them, in order (for checking)."""
 
@@ -233,7 +289,7 @@ class _ForwardRunner:
                 self._before("input_norm")
                 a = ops.attn_norm(x)
                 if seg == "tp_attn":
-                    ops.attn_partial(a, self._before, taps)
+                    rt.attention(a, self.nanobatch, self._before, taps)
                 elif seg == "cp_qkv":
                     _cp(ops).qkv_partial(a, self._before, taps)
             elif seg == "cp_ao":  # this rank's query, the gathered key and value
@@ -270,7 +326,7 @@ class _BackwardRunner:
     (CP's ``a``: the core attention is rebuilt on every run, as the executor rebuilds it)."""
 
     def __init__(self, rt: MegatronRuntime, segment: str, launch_op: str | None,
-                 side: SideStream) -> None:
+                 side: SideStream, nanobatch: int | None = None) -> None:
         self.rt, self.segment, self.launch_op, self.side = rt, segment, launch_op, side
         ops = rt.ops
         self.params = [p for p in rt.layer.parameters() if p.requires_grad]
@@ -278,6 +334,9 @@ class _BackwardRunner:
         self.tap = BACKWARD_TAPS.get(launch_op or "")
         self.norm: tuple[Tensor, Tensor] | None = None
         self.core: tuple[Tensor, Tensor | tuple[Tensor, ...]] | None = None
+        self.past: tuple[Tensor, ...] = ()
+        """A sequence split's nanobatch 1: nanobatch 0's key and value its attention
+        reads (leaves: its backward gives their gradients)."""
         self.ops_run: list[str] = []
         """The forward ops whose backward each run differentiates: the norm's, then the
         ops the core's pieces announce (for checking)."""
@@ -299,9 +358,16 @@ class _BackwardRunner:
                 bn = (ops.mlp_norm(rt.x) if segment == "tp_mlp" else rt.x)
                 bn = bn.detach().requires_grad_(True)
                 self.core = (bn, ops.mlp_partial(bn, built, taps))
-            elif segment in ("tp_attn", "attn"):
-                a = ops.attn_norm(rt.r) if segment == "tp_attn" else rt.x
-                a = a.detach().requires_grad_(True)
+            elif segment == "tp_attn":
+                a = ops.attn_norm(rt.r).detach().requires_grad_(True)
+                if rt.seq and nanobatch == 1:
+                    self.past = tuple(t.detach().requires_grad_(True) for t in rt.past)
+                    k0, v0 = self.past
+                    self.core = (a, rt.attention(a, 1, built, taps, (k0, v0)))
+                else:  # a sequence split's nanobatch 0: out, and its key and value
+                    self.core = (a, rt.attention(a, nanobatch, built, taps))
+            elif segment == "attn":
+                a = rt.x.detach().requires_grad_(True)
                 self.core = (a, ops.attn_partial(a, built, taps))
             elif segment == "cp_o":  # the output projection's backward
                 o = rt.q.flatten(2).detach().requires_grad_(True)
@@ -344,7 +410,12 @@ class _BackwardRunner:
             if self.segment == "cp_qkv":  # the reduce-scattered key and value gradients
                 dk, dv = unpair_kv(rt.dkv)
                 grad_out = (rt.dq, dk.contiguous(), dv.contiguous())
-            torch.autograd.grad(core_out, [core_in, *self.params], grad_out,
+            elif isinstance(core_out, tuple):  # a sequence split's nanobatch 0: its key
+                # and value's gradients from nanobatch 1's backward, added here
+                grad_out = (rt.grad, *rt.past_grad)
+            # a sequence split's nanobatch 1: with the gradients of nanobatch 0's key
+            # and value (the executor hands them to nanobatch 0's backward)
+            torch.autograd.grad(core_out, [core_in, *self.past, *self.params], grad_out,
                                 retain_graph=True, allow_unused=True)
         if self.segment == "cp_a":
             self._attention_backward()
