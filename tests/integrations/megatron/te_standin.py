@@ -32,6 +32,12 @@ sources (transformer_engine/pytorch/module/linear.py, layernorm_linear.py) and M
   `TERowParallelLinear`; parameter names ``layer_norm_weight``, ``layer_norm_bias``,
   ``weight``, ``bias``.
 
+The attention (`TEDotProductAttention`, `te_attention`): TE 2.11's `DotProductAttention`
+mask types at CP=1 (``causal`` top-left aligned, ``causal_bottom_right`` bottom-right
+aligned when there are fewer queries than keys; transformer_engine/pytorch/attention/
+dot_product_attention/utils.py, `get_full_mask`), and TE's ring CP as an op that
+communicates inside itself.
+
 The numerics are plain fp32 matmuls and norms, not TE's kernels: the tests compare the
 Kareus layer with a plan against the same stand-in layer's own communicating forward.
 """
@@ -244,13 +250,77 @@ def te_spec(core_attention: type) -> ModuleSpec:
             mlp_bda=get_bias_dropout_add))
 
 
+def te_attention(query, key, value, attention_mask, kind: AttnMaskType,
+                 scale: float | None = None, mask_with_causal: str = "ignored"):
+    """Transformer Engine 2.11's `DotProductAttention` at CP=1 (no dropout, no bias, sbhd):
+    query [sq, b, heads, d], key and value [skv, b, groups, d] -> [sq, b, heads*d]. Its
+    mask types as TE defines them (transformer_engine/pytorch/attention/
+    dot_product_attention/utils.py, `get_full_mask`: the window (-1, 0) of a causal type,
+    ``swa_left``/``swa_right``), query i seeing key j where:
+
+    - ``no_mask``: every j;
+    - ``causal``: j <= i, the diagonal at the top left of the [sq, skv] matrix, whatever
+      sq and skv are ("always top left");
+    - ``causal_bottom_right``: j <= i + skv - sq, the diagonal at the bottom right
+      ("always bottom right");
+    - ``arbitrary``: where ``attention_mask`` (broadcastable to [b, heads, sq, skv], True:
+      masked out) is False; the mask is required.
+
+    A mask given with ``no_mask`` or a causal type: TE reads a mask only with the padding
+    and arbitrary types (`DotProductAttention.forward`'s docstring), which is what its
+    flash-attention and cuDNN backends do ("ignored", the default); its unfused backend
+    adds it to the causal mask instead (`get_full_mask` ORs it in: "added"). The padding
+    types (which read sequence lengths from the mask or cu_seqlens) are not stood in:
+    refused."""
+    if mask_with_causal not in ("ignored", "added"):
+        raise ValueError(f"mask_with_causal is 'ignored' or 'added', not {mask_with_causal!r}")
+    sq, b, heads, d = query.shape
+    skv, groups = key.shape[0], key.shape[2]
+    i = torch.arange(sq, device=query.device)[:, None]
+    j = torch.arange(skv, device=query.device)[None, :]
+    if kind == AttnMaskType.no_mask:
+        allowed = torch.ones(sq, skv, dtype=torch.bool, device=query.device)
+    elif kind == AttnMaskType.causal:
+        allowed = j <= i
+    elif kind == AttnMaskType.causal_bottom_right:
+        allowed = j <= i + skv - sq
+    elif kind == AttnMaskType.arbitrary:
+        if attention_mask is None:
+            raise ValueError("TE's arbitrary mask type needs an attention mask")
+        allowed = torch.ones(sq, skv, dtype=torch.bool, device=query.device)
+    else:
+        raise ValueError(f"the TE attention stand-in runs no_mask, causal, "
+                         f"causal_bottom_right and arbitrary, not {kind.name}")
+    allowed = allowed[None, None]
+    if attention_mask is not None and (kind == AttnMaskType.arbitrary
+                                       or mask_with_causal == "added"):
+        allowed = allowed & ~attention_mask.bool()
+    if heads != groups:  # a group's query heads are contiguous, as Megatron lays them out
+        key = key.repeat_interleave(heads // groups, dim=2)
+        value = value.repeat_interleave(heads // groups, dim=2)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+
+
 class TEDotProductAttention(torch.nn.Module):
-    """Stand-in for Megatron's `TEDotProductAttention` under context parallelism with
-    ``cp_comm_type="p2p"``: the CP communication happens inside the op (TE passes K/V
-    chunks around the ring, transformer_engine/pytorch/attention/dot_product_attention/
-    context_parallel.py ``AttnFuncWithCPAndKVP2P``); here the key and value are gathered
-    inside the op, which gives the same numbers. It has no ``kv_gathered``: a plan cannot
-    take its communication out, so the attention is one compute op to the plan."""
+    """Stand-in for Megatron's `TEDotProductAttention` (TE 2.11's `DotProductAttention`
+    under Megatron's wrapper, megatron/core/extensions/transformer_engine.py), with its
+    ``te_forward_mask_type`` (TE takes the mask type per call: TE >= 0.12) and
+    ``qkv_format`` "sbhd".
+
+    At CP=1: `te_attention`, TE's mask types (``mask_with_causal``: what a mask given with
+    a causal type does, "ignored" as TE's flash and cuDNN backends or "added" as its
+    unfused one; an attribute the tests set).
+
+    Under context parallelism with ``cp_comm_type="p2p"``: the CP communication happens
+    inside the op (TE passes K/V chunks around the ring, context_parallel.py
+    ``AttnFuncWithCPAndKVP2P``); here the key and value are gathered inside the op, which
+    gives the same numbers; causal only. It has no ``kv_gathered``: a plan cannot take its
+    communication out, so the attention is one compute op to the plan.
+
+    No dropout, sliding window, attention bias, packed sequences or softmax variants:
+    refused."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", cp_comm_type: str | None = None,
@@ -259,6 +329,16 @@ class TEDotProductAttention(torch.nn.Module):
         super().__init__()
         from megatron.core import parallel_state
 
+        if getattr(config, "attention_dropout", 0.0):
+            raise ValueError("the TE attention stand-in runs without attention dropout")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("the TE attention stand-in runs no sliding window")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("the TE attention stand-in runs the vanilla softmax")
+        self.te_forward_mask_type = True
+        self.qkv_format = "sbhd"
+        self.attn_mask_type = attn_mask_type
+        self.mask_with_causal = "ignored"
         self.cp_group = parallel_state.get_context_parallel_group()
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type
@@ -268,6 +348,16 @@ class TEDotProductAttention(torch.nn.Module):
         from kareus.integrations.megatron.cp_attention import cp_causal_attention
         from kareus.runtime.primitives import GatherSeq
 
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("the TE attention stand-in takes no attention bias or packed "
+                             "sequences")
+        kind = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        if cp == 1:
+            return te_attention(query, key, value, attention_mask, kind,
+                                self.softmax_scale, self.mask_with_causal)
+        if kind != AttnMaskType.causal:
+            raise ValueError(f"the TE attention stand-in runs causal CP attention, not "
+                             f"{kind.name}")
         key, value = (GatherSeq.apply(t, self.cp_group, 0) for t in (key, value))
         return cp_causal_attention(query, key, value, cp, rank, self.softmax_scale)

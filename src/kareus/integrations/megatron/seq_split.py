@@ -8,9 +8,30 @@ The schedule is the runtime's, shared with `LlamaLayer` (kareus.runtime.pieces: 
 first). What is Megatron's is the attention core over an earlier nanobatch's keys,
 `MegatronSeqOps.attn_partial_kv`: QKV with rotary at this half's positions (its rows of
 the [s, 1, 1, d] embedding), nanobatch 0's key and value in front of this half's, and the
-core attention with the causal mask shifted by the earlier half's length (an explicit
-boolean mask), then the output projection. The attention is cut as for context
-parallelism (`MegatronCutOps`).
+core attention with the causal mask shifted by the earlier half's length, then the output
+projection. The attention is cut as for context parallelism (`MegatronCutOps`).
+
+The shifted causal mask, by core attention (`MegatronSeqOps.attention`):
+
+- Transformer Engine's (`TEDotProductAttention`, Megatron's TE spec): the mask type
+  ``causal_bottom_right`` and no mask of its own. In TE 2.11 "causal" aligns the diagonal
+  to the top left of the [sq, skv] score matrix (query i sees keys j <= i) and
+  "causal_bottom_right" to the bottom right (j <= i + skv - sq;
+  transformer_engine/pytorch/attention/dot_product_attention/utils.py, `get_full_mask`):
+  with nanobatch 1's queries the last sq of the skv keys, that is exactly its rows of the
+  unsplit layer's causal mask. TE's flash-attention and cuDNN backends run it; an
+  explicit ("arbitrary") mask would send TE to its unfused backend (utils.py,
+  `get_attention_backend`: "Disabling FlashAttention / FusedAttention for arbitrary
+  mask"). A mask the layer is called with is passed on cut to the half's rows, with the
+  mask type, as the unsplit layer passes it whole with "causal": TE reads a mask only
+  with the padding and arbitrary mask types (`DotProductAttention.forward`'s docstring),
+  so its flash and cuDNN backends ignore it in the unsplit layer and in both halves
+  alike, and its unfused backend adds it to the causal mask in all three alike
+  (`get_full_mask`). Each half computes what TE computes for its rows of the unsplit
+  layer, whichever backend TE picks;
+- any other (Megatron's local `DotProductAttention`, the CPU core attentions): an
+  explicit boolean mask, the shifted causal one together with the layer's own, with
+  ``AttnMaskType.arbitrary``.
 """
 
 from __future__ import annotations
@@ -23,6 +44,7 @@ from torch import Tensor
 
 from kareus.errors import SpecError
 from kareus.integrations.megatron.ops import KareusTransformerLayer, MegatronCutOps
+from kareus.integrations.megatron.te import is_te_attention
 from kareus.runtime.layer_plan import SPLITS, LayerPlan
 from kareus.runtime.overlap import Taps
 from kareus.runtime.pieces import Before
@@ -89,21 +111,33 @@ class MegatronSeqOps(MegatronCutOps):
     def attention(self, q: Tensor, k: Tensor, v: Tensor, before: Before, taps: Taps
                   ) -> Tensor:
         """The core attention of this half's queries against ``k``, ``v`` (the earlier
-        half's keys in front of this half's): causal with the queries at the end."""
+        half's keys in front of this half's): causal with the queries at the end (module
+        docstring: Transformer Engine's gets ``causal_bottom_right``, any other an
+        explicit mask)."""
         attn = self.layer.self_attention
-        mask = self.kwargs.get("attention_mask")
+        core = attn.core_attention
+        mask = self.kwargs.get("attention_mask")  # cut to this half's rows (`_rows`)
         kind = attn.attn_mask_type
         offset = k.shape[SEQ_DIM] - q.shape[SEQ_DIM]
         if offset:
             if kind != AttnMaskType.causal:
                 raise SpecError(f"a Kareus plan splitting the sequence runs causal "
                                 f"attention, not {kind.name}")
-            # Megatron's boolean mask (True: masked out), causal shifted by the offset
-            shifted = torch.ones(q.shape[SEQ_DIM], k.shape[SEQ_DIM], dtype=torch.bool,
-                                 device=q.device).triu(offset + 1)[None, None]
-            mask = shifted if mask is None else (mask.bool() | shifted)
-            kind = AttnMaskType.arbitrary
+            if is_te_attention(core):
+                if not core.te_forward_mask_type:  # Megatron's wrapper then drops it
+                    raise SpecError("a Kareus plan splitting the sequence needs Transformer "
+                                    "Engine 0.12 or later (a mask type per attention call); "
+                                    "supported: Transformer Engine 2.x")
+                # the bottom-right-aligned causal mask is this half's rows of the unsplit
+                # one; TE's fused backends run it (an explicit mask would not)
+                kind = AttnMaskType.causal_bottom_right
+            else:
+                # Megatron's boolean mask (True: masked out), causal shifted by the offset
+                shifted = torch.ones(q.shape[SEQ_DIM], k.shape[SEQ_DIM], dtype=torch.bool,
+                                     device=q.device).triu(offset + 1)[None, None]
+                mask = shifted if mask is None else (mask.bool() | shifted)
+                kind = AttnMaskType.arbitrary
         with self.layer._kareus_piece(before, taps):
-            out: Tensor = attn.core_attention(q, k, v, mask, attn_mask_type=kind,
-                                              attention_bias=None, packed_seq_params=None)
+            out: Tensor = core(q, k, v, mask, attn_mask_type=kind, attention_bias=None,
+                               packed_seq_params=None)
         return out

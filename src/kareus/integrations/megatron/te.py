@@ -85,6 +85,15 @@ def is_te_linear(module: Any) -> bool:
     return hasattr(module, "parallel_mode") and hasattr(module, "tp_size")
 
 
+def is_te_attention(module: Any) -> bool:
+    """Megatron's `TEDotProductAttention` (TE's `DotProductAttention` under Megatron's
+    wrapper, megatron/core/extensions/transformer_engine.py): the wrapper's
+    ``te_forward_mask_type`` (whether TE takes the mask type per call), which Megatron's
+    local `DotProductAttention` and the CPU core attentions have not. By attribute, so
+    that TE is never imported here (it does not import without CUDA)."""
+    return hasattr(module, "te_forward_mask_type")
+
+
 def check_config(config: Any) -> None:
     """What a plan cannot run on TE's modules, in one line with what it can."""
     problems = []
