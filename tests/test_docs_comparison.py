@@ -1,7 +1,7 @@
 """docs/comparison.md's current numbers are the rendering of the committed compare run
 (docs/data/comparison.json), and that rendering agrees with `kareus compare`'s own report.
-That the committed run is still what a fresh `kareus compare --suite kareus` gives is
-`python scripts/comparison_doc.py --check` (minutes: not in the test suite)."""
+That the committed runs are still what fresh `kareus compare --suite kareus` and `--suite
+mbs1` give is `python scripts/comparison_doc.py --check` (minutes: not in the test suite)."""
 
 import importlib.util
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kareus.workflows.compare import PAPER, compare_markdown
+from kareus.workflows.compare import PAPER, SUITES, compare_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,3 +64,32 @@ def test_trim_keeps_each_methods_fastest_and_least_energy_plan(script):
     assert c["fastest"] == {"perseus": (1.0, 9.0)}
     assert c["least_energy"] == {"perseus": (3.0, 4.0)}
     assert c["validation_max_rel_error"] == {"time": 0.03, "energy": 0.02}
+
+
+def test_the_micro_batch_1_suite_is_in_the_doc(script, data):
+    # issue 37: the mbs1 presets' run is kept beside the paper suite's and rendered with it
+    run = data["more"]["mbs1"]
+    assert run["suite"] == "mbs1" and run["commit"]
+    assert run["command"].startswith("kareus compare --suite mbs1")
+    assert [c["preset"] for c in run["configs"]] == SUITES["mbs1"]
+    block = script.generated_block(script.DOC.read_text())
+    assert "### Suite `mbs1`" in block
+    for c in run["configs"]:
+        kareus = c["metrics"]["kareus"]
+        assert all(kareus[k] is not None for k in kareus), c["preset"]
+        row = f"| {c['preset']}: Kareus | " + " | ".join(
+            script._pct(kareus[k]) for k in script.METRIC_COLUMNS) + " |"
+        assert row in block.splitlines()
+
+
+def test_place_puts_each_suites_run_in_its_own_spot(script, data):
+    main = {k: v for k, v in data.items() if k != "more"}
+    other = {**data["more"]["mbs1"], "schema_version": script.DATA_SCHEMA, "commit": "new"}
+    placed = script.place(data, other)
+    assert placed["more"]["mbs1"]["commit"] == "new" and "schema_version" not in placed[
+        "more"]["mbs1"]
+    assert {k: v for k, v in placed.items() if k != "more"} == main  # the main run kept
+    again = script.place(placed, {**main, "commit": "newer"})
+    assert again["commit"] == "newer" and again["more"] == placed["more"]
+    with pytest.raises(SystemExit, match="no place"):
+        script.place(data, {**other, "suite": "elsewhere"})

@@ -122,8 +122,9 @@ def _print_frontiers(job: JobSpec, result: OptimizeResult, out: str) -> None:
 @app.command()
 def compare(
     out: Annotated[str, typer.Option("--out", help="Directory for the comparison.")],
-    suite: Annotated[str, typer.Option("--suite", help="kareus: the ten paper workloads.")
-                     ] = "kareus",
+    suite: Annotated[str, typer.Option(
+        "--suite", help="kareus: the ten paper workloads; mbs1: micro-batch 1 (sequence "
+                        "split) near public Llama 3.1 runs.")] = "kareus",
     budget: Annotated[int, typer.Option(
         "--budget", help="Search samples per partition, per preset.")] = 100,
     seed: Annotated[int, seed_option("--seed", help="Seed of everything random.")] = 0,

@@ -3,7 +3,10 @@
 Model shapes are the public Hugging Face configs (docs/anchors.md §5). Job presets `kareus-1` ...
 `kareus-10` are the ten workloads evaluated in the Kareus paper, in the order docs/anchors.md §4
 lists them: A100 SXM4 40GB, 2 nodes x 8 GPUs, PP=2 with 15/13 layers, 8 microbatches,
-bf16, no sequence parallelism, full uniform activation recompute.
+bf16, no sequence parallelism, full uniform activation recompute. `llama3.1-8b-h100-mbs1` and
+`llama3.3-70b-h100-mbs1` are micro-batch 1 (the sequence split) as close to NVIDIA's public
+dgxc-benchmarking Llama 3.1 rows (docs/anchors.md §8) as Kareus runs: the comments below say
+how each differs and why (`kareus compare --suite mbs1`, docs/comparison.md).
 """
 
 from __future__ import annotations
@@ -107,6 +110,48 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         gpu="H100-SXM",
         gpus_per_node=8,
         nodes=128,
+    ),
+    # Micro-batch 1, the sequence split (kareus.job.nanobatch), as close to the public
+    # NVIDIA dgxc-benchmarking Llama 3.1 8B row (docs/anchors.md §8: 8x H100, GBS 128, MBS 1,
+    # seq 8192, TP1 PP1 CP2 DP4, GA 32) as Kareus can run: the same GPUs, global batch,
+    # data parallelism and 32 microbatches per iteration, with TP2 in place of CP2 (both
+    # split each sequence's work over 2 GPUs; Kareus's sequence split refuses CP, and only
+    # TP gives it collectives to overlap). No activation recompute: the row does not state
+    # it, but at its 10,153 tokens/s/GPU a full recompute's GEMMs at the best shape's
+    # 794.5 TFLOP/s and causal attention at H100's FlashAttention-2 308 TFLOP/s (§8) would
+    # take 104% of the step (79% without recompute), so it cannot have recomputed every layer.
+    "llama3.1-8b-h100-mbs1": dict(
+        model="llama3.1-8b",
+        tp=2,
+        pp=1,
+        dp=4,
+        micro_batch_size=1,
+        seq_length=8192,
+        num_microbatches=32,
+        recompute=False,
+        gpu="H100-SXM",
+        gpus_per_node=8,
+        nodes=1,
+    ),
+    # The same for the dgxc-benchmarking Llama 3.1 70B row (docs/anchors.md §8: 64x H100,
+    # GBS 128, MBS 1, seq 8192, TP4 PP4 CP2, VP5, GA 64, hence DP2): the same GPUs, pipeline,
+    # interleaving (4 layers per chunk), DP2 and 64 microbatches, with TP8 in place of TP4 x
+    # CP2. Llama 3.3 70B has Llama 3.1 70B's shape (their public configs). Full recompute:
+    # without sequence parallelism (which the sequence split does not take) the activations
+    # do not fit in 80 GB otherwise; the row's recompute is not stated.
+    "llama3.3-70b-h100-mbs1": dict(
+        model="llama3.3-70b",
+        tp=8,
+        pp=4,
+        virtual_pipeline=5,
+        dp=2,
+        micro_batch_size=1,
+        seq_length=8192,
+        num_microbatches=64,
+        recompute=True,
+        gpu="H100-SXM",
+        gpus_per_node=8,
+        nodes=8,
     ),
 }
 

@@ -44,7 +44,10 @@ from kareus.workflows.sensitivity import (
 )
 from kareus.workload.workload import Workload
 
-SUITES = {"kareus": [f"kareus-{i}" for i in range(1, 11)]}
+SUITES = {"kareus": [f"kareus-{i}" for i in range(1, 11)],
+          # micro-batch 1 (the sequence split) near the public dgxc-benchmarking Llama 3.1
+          # rows (kareus.job.presets says how each differs)
+          "mbs1": ["llama3.1-8b-h100-mbs1", "llama3.3-70b-h100-mbs1"]}
 
 # The paper's headline numbers (docs/anchors.md §4): best case over its ten workloads.
 PAPER = {
