@@ -48,7 +48,8 @@ def test_default_split(overrides, split):
     ({"nanobatch_split": "sequence", "tp": 2, "cp": 2},
      "a sequence split does not run with context parallelism (cp=2); use cp=1"),
     ({"nanobatch_split": "batch"}, "a batch split needs an even micro-batch size (this job "
-                                   "has 1); at micro-batch size 1 split the sequence"),
+                                   "has 1); split the sequence instead (nanobatch_split: "
+                                   "sequence)"),
     ({"nanobatch_split": "batch", "micro_batch_size": 3}, "an even micro-batch size"),
     ({"nanobatch_split": "tokens"}, "nanobatch_split: Input should be 'batch' or 'sequence'"),
 ])

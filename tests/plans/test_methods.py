@@ -81,14 +81,15 @@ def test_a_microbatch_that_is_not_split_leaves_out_the_methods_that_split_it(mbs
                                      "kareus_no_freq"]
     assert left_out_line(out, job) == (
         "left out nanobatch, nanobatch_perseus, kareus, kareus_no_freq: they split each "
-        "microbatch into two nanobatches and need an even micro-batch size or 1, split along "
-        f"the batch or the sequence (this job has {mbs})")
+        "microbatch into two nanobatches and need an even micro-batch size (a batch split, "
+        f"this job has {mbs}) or nanobatch_split: sequence (the default at micro-batch size "
+        "1)")
     assert left_out_line(out[:1], job).startswith("left out nanobatch: it splits each")
     assert left_out_line((), job) == ""
     assert set(left_out_reasons(out, job)) == {m.name for m in out}
     assert get_method("megatron").baseline_plan(job).overlap is False
-    with pytest.raises(SpecError, match=rf"nanobatch splits each microbatch .* \(this job has "
-                                        rf"{mbs}\); this job runs with megatron, perseus"):
+    with pytest.raises(SpecError, match=rf"nanobatch splits each microbatch .* this job has "
+                                        rf"{mbs}\) .*; this job runs with megatron, perseus"):
         get_method("nanobatch").baseline_plan(job)
     even = build_job("kareus-1")
     assert runnable_methods(all_methods(), even) == (all_methods(), ())

@@ -388,6 +388,12 @@ def test_the_planner_s_per_nanobatch_keys_set_the_collectives_of_the_computing_n
     # (the next layer's mlp': bwd_mlp)
     assert seen == [11, 13, 13, 12, 14, 16, 15, 14]
     seen.clear()
+    # under recompute the backward's last one is paired with the next layer's recomputed
+    # nb0.attn (fwd_attn_nb0)
+    run(LayerPlan({k: PartitionSetting(v, None) for k, v in sms.items()}, split="sequence",
+                  recompute=True), torch.randn(1, 8, 64))
+    assert seen == [11, 13, 13, 12, 14, 16, 15, 12]
+    seen.clear()
     plain = {"fwd_attn": 3, "fwd_mlp": 4, "bwd_mlp": 5, "bwd_attn": 6}
     run(LayerPlan({k: PartitionSetting(v, None) for k, v in plain.items()}),
         torch.randn(2, 8, 64))

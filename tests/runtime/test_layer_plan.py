@@ -107,3 +107,15 @@ def test_a_key_resolves_to_the_planner_s_per_nanobatch_key_where_the_plan_has_on
     assert plan.key("fwd_mlp", 0) == plan.key("fwd_mlp", 1) == "fwd_mlp"
     batch = LayerPlan.from_partitions(PARTS, {"fwd_attn": PartitionSetting(4, None)})
     assert batch.key("fwd_attn", 1) == "fwd_attn" and batch.sms(batch.key("fwd_attn", 1)) == 4
+
+
+def test_a_layer_s_last_backward_collective_goes_where_the_planner_pairs_it():
+    """Without recompute the planner pairs a layer's last backward all-reduce with the next
+    layer's first backward partition; under recompute with its recomputed forward's
+    first, whose key the backward instructions then hold (read from the partitions)."""
+    for recompute, want in ((False, "bwd_mlp"), (True, "fwd_attn")):
+        job = build_job(overrides={**JOB.model_dump(mode="json"), "recompute": recompute})
+        parts = Workload.build(job).partitions.partitions
+        plan = LayerPlan.from_partitions(parts, {})
+        assert plan.recompute is recompute
+        assert plan.layer_end_backward("fwd_attn", "bwd_mlp") == want

@@ -149,8 +149,8 @@ def test_optimize_at_mbs_1_splits_the_sequence_and_runs_all_six_methods(tmp_path
 UNSPLIT = ("optimize", "-p", "kareus-1", "--mbs", "3", "--microbatches", "4", "--freqs",
            "1410,1200", "--budget", "20", "--workers", "1")
 LEFT_OUT = ("left out nanobatch, nanobatch_perseus, kareus, kareus_no_freq: they split each "
-            "microbatch into two nanobatches and need an even micro-batch size or 1, split "
-            "along the batch or the sequence (this job has 3)")
+            "microbatch into two nanobatches and need an even micro-batch size (a batch split, "
+            "this job has 3) or nanobatch_split: sequence (the default at micro-batch size 1)")
 
 
 def test_optimize_at_mbs_3_runs_megatron_and_perseus_and_says_what_it_left_out(tmp_path):
@@ -193,7 +193,7 @@ def test_optimize_refuses_when_no_method_asked_for_can_run(tmp_path):
 
     job = build_job("kareus-1", overrides={"micro_batch_size": 3})
     with pytest.raises(SpecError, match=r"no method to run: left out kareus: it splits each "
-                                        r"microbatch .* \(this job has 3\)"):
+                                        r"microbatch .* this job has 3\)"):
         prepare_optimize(job, str(tmp_path / "r"), SearchConfig(budget=20),
                          methods=("kareus",))
     assert not (tmp_path / "r").exists()

@@ -32,7 +32,8 @@ def sequential_microbatch_flops(ps: PartitionSet, stage: int) -> float:
 
 
 @pytest.mark.parametrize("mbs, why", [
-    (3, r"even micro-batch size or 1, split along the batch or the sequence \(this job has 3\)"),
+    (3, r"even micro-batch size \(a batch split, this job has 3\) or nanobatch_split: "
+        r"sequence"),
     (1, r"sequence split at micro-batch size 1, but .* seq_length 4095 is odd")])
 def test_an_odd_micro_batch_has_no_partitions_but_megatrons_steps(mbs, why):
     ps = _ps(micro_batch_size=mbs, **({"seq_length": 4095} if mbs == 1 else {}))

@@ -33,7 +33,7 @@ def sequence_split_problem(job: JobSpec) -> str | None:
         return f"a sequence split does not run with context parallelism (cp={job.cp}); use cp=1"
     if job.seq_length % 2 != 0:
         return f"a sequence split halves each sequence: seq_length {job.seq_length} is odd"
-    if job.sequence_parallel and job.tp > 1:
+    if job.sequence_parallel:
         # SP gives each TP rank one contiguous chunk of the sequence, so each half lives on
         # half of the ranks: the halves' all-gathers and reduce-scatters would need another
         # token layout through the whole model (embedding to loss), which Kareus does not run
@@ -59,7 +59,8 @@ def resolve_split(job: JobSpec, asked: NanobatchSplit | None) -> NanobatchSplit 
         return default_split(job)
     if asked == "batch" and job.micro_batch_size % 2 != 0:
         raise ValueError(f"a batch split needs an even micro-batch size (this job has "
-                         f"{job.micro_batch_size}); at micro-batch size 1 split the sequence")
+                         f"{job.micro_batch_size}); split the sequence instead "
+                         f"(nanobatch_split: sequence)")
     if asked == "sequence" and (problem := sequence_split_problem(job)) is not None:
         raise ValueError(problem)
     return asked
@@ -69,5 +70,6 @@ def requirement(job: JobSpec) -> str:
     """What a job that has no nanobatches would need, for messages."""
     if job.micro_batch_size == 1 and (problem := sequence_split_problem(job)) is not None:
         return f"a sequence split at micro-batch size 1, but {problem}"
-    return (f"an even micro-batch size or 1, split along the batch or the sequence (this "
-            f"job has {job.micro_batch_size})")
+    return (f"an even micro-batch size (a batch split, this job has "
+            f"{job.micro_batch_size}) or nanobatch_split: sequence (the default at "
+            f"micro-batch size 1)")

@@ -34,6 +34,10 @@ class LayerPlan:
     split: str = "batch"
     """The nanobatches' split: "batch" (halves of the batch) or "sequence" (the first and
     second half of the tokens, micro-batch size 1)."""
+    recompute: bool = False
+    """The job recomputes each layer's forward inside its backward: the planner then pairs
+    a layer's last backward collective with the next layer's recomputed forward (its first
+    partition), not with that layer's first backward one (`layer_end_backward`)."""
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -46,6 +50,13 @@ class LayerPlan:
         the plan has one, else ``key``."""
         per_nb = f"{key}_nb{nanobatch}"
         return per_nb if per_nb in self.settings or per_nb in self.slot_ops else key
+
+    def layer_end_backward(self, forward_key: str, backward_key: str) -> str:
+        """The key of the partition the planner gives a layer's last backward collective:
+        the next layer's first forward partition (``forward_key``) under recompute, its
+        first backward one (``backward_key``) without. A one-layer schedule runs that
+        collective exposed at these SMs (its slot lies in the next layer)."""
+        return forward_key if self.recompute else backward_key
 
     def setting(self, key: str) -> PartitionSetting:
         return self.settings.get(key, NO_SETTING)
@@ -70,7 +81,10 @@ class LayerPlan:
                     if k in partitions else s for k, s in settings.items()}
         slot_ops = {k: {s.name: p.compute_ops[s.op_index].name for s in p.slots}
                     for k, p in partitions.items()}
-        return cls(resolved, slot_ops, split)
+        # recompute: the planner's backward instructions hold forward partitions
+        recompute = any(p.direction == "forward" and any(p.count_backward)
+                        for p in partitions.values())
+        return cls(resolved, slot_ops, split, recompute)
 
     @classmethod
     def from_plan(cls, plan: ExecutionPlan, partitions: Mapping[str, Partition],

@@ -24,7 +24,8 @@ gathered ones are not saved by the forward but gathered again for the backward (
 ``a'``), whose core attention is rebuilt from them and the saved query; the key and value
 gradients are reduce-scattered back to their owners. The last all-reduce of each pass is
 exposed: across layers the planner pairs the forward's with the next layer's first segment
-(``fwd_qkv_ar``), whose SMs it runs on here; the backward's runs on ``bwd_qkv_ar``'s.
+(``fwd_qkv_ar``), whose SMs it runs on here; the backward's with the next layer's
+first backward segment (``bwd_mlp``), or under recompute its recomputed ``fwd_qkv_ar``.
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ def _backward(nbs: list[_CPNanobatch], coll: _Collectives, plan: LayerPlan, grad
     da1 = _qkv_backward(nb1, dq1, dkv1, grads, c, launch("bwd_qkv_ar"))
     issue_at_end(c)
     da0 = c.wait()
-    da1 = coll(AR, da1, "bwd_qkv_ar").wait()                           # exposed
+    da1 = coll(AR, da1, plan.layer_end_backward("fwd_qkv_ar", "bwd_mlp")).wait()  # exposed
     return torch.cat([input_norm_backward(nb0, dx0, da0, grads),
                       input_norm_backward(nb1, dx1, da1, grads)], dim=dim)
 

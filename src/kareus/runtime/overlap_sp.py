@@ -21,7 +21,8 @@ backward  ln1'(0) | ln1'(1) + AG(0) bwd_ln1_ag | mlp'(0) + AG(1) bwd_mlp_ag |
 here, so its ``ln1`` segment is its input norm, and backward ``ln1'`` its MLP residual's
 backward; the input norms' backward ends the layer.) The last collective of each pass is
 exposed: across layers the planner pairs it with the next layer's ``ln1`` (keys
-``fwd_ln1_rs``, ``bwd_ln1_rs``), whose SMs it runs on here. Each collective is issued
+``fwd_ln1_rs``, ``bwd_ln1_rs``; under recompute the backward's with the next layer's
+recomputed ``fwd_ln1_rs``), whose SMs it runs on here. Each collective is issued
 before the compute op the plan's slot names and waited for at the end of its partition:
 in the forward from the ops' ``before(name)`` calls, in the backward from a gradient hook
 on the forward tensor whose backward the slot names (a norm slot: at the partition's
@@ -193,7 +194,7 @@ def _backward(nbs: list[Nanobatch], coll: _Collectives, plan: LayerPlan, grads: 
     # attn'(1) + RS(0)
     da1 = _core_backward(nb1, "attn", dr1, grads, plan, "bwd_attn_rs", c)
     da0 = c.wait()
-    da1 = coll(RS, da1, "bwd_ln1_rs").wait()  # exposed
+    da1 = coll(RS, da1, plan.layer_end_backward("fwd_ln1_rs", "bwd_ln1_rs")).wait()
     (gx0,), (gx1,) = grads(nb0.pieces["attn_norm"], da0), grads(nb1.pieces["attn_norm"], da1)
     return torch.cat([dx0 + gx0, dx1 + gx1], dim=dim)
 

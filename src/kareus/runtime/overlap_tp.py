@@ -182,8 +182,10 @@ def _backward(nbs: list[Nanobatch], collective: _Collectives, plan: LayerPlan,
     dx1, da1 = _attn_backward(nb1, dh1, db1_full, grads, c2, plan.launch_op(attn1))
     issue_at_end(c2)
     da0_full = c2.wait()
-    # exposed: the planner overlaps it with the next layer's first backward (nb0's MLP)
-    da1_full = collective(da1, plan.key("bwd_mlp", nb0.index), nb0.index).wait()
+    # exposed: the planner overlaps it with the next layer's first compute (nb0's
+    # recomputed attention, or without recompute its MLP backward)
+    end = plan.layer_end_backward(plan.key("fwd_attn", 0), plan.key("bwd_mlp", nb0.index))
+    da1_full = collective(da1, end, nb0.index).wait()
     return (input_norm_backward(nb0, dx0, da0_full, grads),
             input_norm_backward(nb1, dx1, da1_full, grads))
 

@@ -344,4 +344,4 @@ def refuse_sequence_split(plan: LayerPlan, schedule: str, why: str) -> None:
     """One line where a schedule runs no sequence split."""
     if plan.split == "sequence":
         raise SpecError(f"{schedule} runs no sequence split of the microbatch ({why}): "
-                        "use a batch split (micro-batch size 2 or more)")
+                        "use a batch split (an even micro-batch size)")

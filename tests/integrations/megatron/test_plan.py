@@ -313,7 +313,7 @@ def test_the_layer_s_cp_communication_must_be_the_plan_s():
     the attention. Each mismatch is named; CP=1 jobs are not concerned."""
     from types import SimpleNamespace
 
-    from kareus.integrations.megatron.ops import cp_mismatch as _cp_mismatch
+    from kareus.integrations.megatron.job_match import cp_mismatch as _cp_mismatch
 
     class Gathering:  # as KareusCPCoreAttention: the schedule gathers its K/V
         def kv_gathered(self):

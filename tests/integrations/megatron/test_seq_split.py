@@ -6,8 +6,10 @@ every slot of the TP keys (SMs varying), with no overlap and with mixed slots, w
 without full recompute (torch's reentrant checkpoint; Megatron's block with full
 recompute; the schedule's own rebuild, ``keep_graphs`` False), with an explicit attention
 mask, and at micro-batch 2 when the split is chosen. The plans use the TP partitions of
-the same job at micro-batch 2 (the keys and slots are the same; the planner's micro-batch-1
-partitions are another branch's). CPU runs check numerics and wiring, never time or energy.
+the same job at micro-batch 2 (the same slots; the planner's per-nanobatch keys of the
+micro-batch-1 job fall back to them; tests/integrations/megatron/test_example.py and
+test_seq_split_te.py run those keys). CPU runs check numerics and wiring, never time or
+energy.
 """
 
 from __future__ import annotations
@@ -218,3 +220,51 @@ def test_what_the_sequence_split_cannot_run_is_refused_in_one_line(results):
             assert msg.startswith("SpecError: a Kareus plan cannot split the sequence into "
                                   "nanobatches with "), (what, msg)
             assert what.split()[0] in msg and "\n" not in msg
+
+
+def test_attention_the_cut_does_not_reproduce_is_refused_in_one_line():
+    """The sequence split runs Megatron's attention cut in three (`MegatronCutOps`): an
+    output gate or per-layer no-RoPE would otherwise run a different layer silently."""
+    from types import SimpleNamespace
+
+    from kareus.errors import SpecError
+    from kareus.integrations.megatron.layer import KareusTransformerLayer
+
+    def layer(**cfg):
+        attention = SimpleNamespace(attention_type="self",
+                                    linear_qkv=SimpleNamespace(sequence_parallel=False))
+        return SimpleNamespace(config=SimpleNamespace(context_parallel_size=1, **cfg),
+                               self_attention=attention)
+
+    KareusTransformerLayer._check_sequence_split(layer())  # plain TP: runs
+    for cfg, what in (({"attention_output_gate": True}, "attention output gates"),
+                      ({"no_rope_freq": [1, 1]}, "per-layer no-RoPE")):
+        with pytest.raises(SpecError) as err:
+            KareusTransformerLayer._check_sequence_split(layer(**cfg))
+        assert what in str(err.value) and "\n" not in str(err.value)
+
+
+def test_megatron_s_softmax_takes_the_shifted_mask_for_nanobatch_1():
+    """Megatron's local attention keeps the softmax's built mask type (causal), whose fused
+    kernel asserts as many keys as queries; for nanobatch 1 it is switched to arbitrary (and
+    back), and the softmax then gives the unsplit causal softmax's last rows. The fused
+    kernel itself needs CUDA: here the softmax's torch path."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from kareus.integrations.megatron.seq_split import softmax_mask_type
+
+    softmax = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, False,
+                                    attention_mask_func, True, None)
+    core = type("Core", (), {"scale_mask_softmax": softmax})()
+    scores = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    whole = softmax(scores, torch.ones(8, 8, dtype=torch.bool).triu(1)[None, None])
+    shifted = torch.ones(4, 8, dtype=torch.bool).triu(5)[None, None]
+    with softmax_mask_type(core, AttnMaskType.arbitrary):
+        assert softmax.attn_mask_type == AttnMaskType.arbitrary
+        half = softmax(scores[:, :, 4:], shifted)
+    assert softmax.attn_mask_type == AttnMaskType.causal
+    assert torch.allclose(half, whole[:, :, 4:], atol=1e-6)
+    with softmax_mask_type(object(), AttnMaskType.arbitrary):  # no softmax of its own
+        pass

@@ -80,6 +80,7 @@ from kareus.integrations.megatron.ops import (
     MegatronLayerOps,
     check_cp_attention,
     cp_size,
+    cut_attention_problems,
     runs_cp_partitions,
 )
 from kareus.integrations.megatron.seq_split import MegatronSeqOps, nanobatch_split
@@ -199,14 +200,16 @@ class KareusTransformerLayer(TransformerLayer):
         return out, kwargs.get("context")
 
     def _check_sequence_split(self) -> None:
-        """One line where the sequence split cannot run (issue 37: TP only for now)."""
+        """One line where the sequence split cannot run: TP alone, and the attention its
+        cut (`MegatronCutOps`) reproduces."""
         problems = [what for what, on in (("context parallelism", cp_size(self) > 1),
                                           ("sequence parallelism", sequence_parallel(self)))
                     if on]
+        problems += cut_attention_problems(self)
         if problems:
             raise SpecError(f"a Kareus plan cannot split the sequence into nanobatches "
-                            f"with {' or '.join(problems)} yet; supported: tensor "
-                            f"parallelism alone")
+                            f"with {', '.join(problems)}; supported: tensor parallelism "
+                            f"alone, causal self-attention with rotary or none")
 
     # Hooks on Megatron's submodules --------------------------------------------------------
 

@@ -25,7 +25,6 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from torch import Tensor
 
 from kareus.errors import SpecError
-from kareus.job.spec import JobSpec
 from kareus.runtime.overlap import GroupsBySms, Taps
 from kareus.runtime.pieces import Before
 
@@ -137,6 +136,24 @@ def runs_cp_partitions(layer: KareusTransformerLayer) -> bool:
     return cp_size(layer) > 1 and hasattr(core, "kv_gathered")
 
 
+def cut_attention_problems(layer: KareusTransformerLayer) -> list[str]:
+    """What `MegatronCutOps`'s attention, cut between QKV with rotary and the core
+    attention, does not reproduce of ``layer``'s (one entry each): it runs self-attention
+    with Megatron's fused QKV, its split, the q/k norms and rotary, nothing else."""
+    attn, cfg = layer.self_attention, layer.config
+    problems = []
+    if getattr(attn, "attention_type", "self") != "self":
+        problems.append(f"{attn.attention_type} attention")
+    for field, what in (("attention_output_gate", "attention output gates"),
+                        ("fused_single_qkv_rope", "the fused QKV-rotary kernel"),
+                        ("fine_grained_activation_offloading", "activation offloading"),
+                        ("multi_latent_attention", "multi-latent attention"),
+                        ("no_rope_freq", "per-layer no-RoPE")):
+        if getattr(cfg, field, None):
+            problems.append(what)
+    return problems
+
+
 def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> None:
     """One line for a CP layer (CP > 1) a plan cannot run. ``te_attention``: the layer
     runs Transformer Engine's modules (whose core attention may keep its ring CP)."""
@@ -158,15 +175,7 @@ def check_cp_attention(layer: KareusTransformerLayer, te_attention: bool) -> Non
         return
     if getattr(cfg, "sequence_parallel", False):
         problems.append("sequence parallelism")
-    if getattr(attn, "attention_type", "self") != "self":
-        problems.append(f"{attn.attention_type} attention")
-    for field, what in (("attention_output_gate", "attention output gates"),
-                        ("fused_single_qkv_rope", "the fused QKV-rotary kernel"),
-                        ("fine_grained_activation_offloading", "activation offloading"),
-                        ("multi_latent_attention", "multi-latent attention"),
-                        ("no_rope_freq", "per-layer no-RoPE")):
-        if getattr(cfg, field, None):
-            problems.append(what)
+    problems += cut_attention_problems(layer)
     if problems:
         raise SpecError(f"a Kareus CP plan cannot run this layer ({'; '.join(problems)}); "
                         f"supported: {CP_SUPPORTED}")
@@ -237,20 +246,3 @@ class MegatronCPOps(MegatronCutOps):
                                attention_bias=self.kwargs.get("attention_bias"),
                                packed_seq_params=None)
         return out
-
-
-def cp_mismatch(layer: Any, job: JobSpec) -> list[str]:
-    """How the layer's CP communication differs from the plan's job's: all-gather CP runs
-    Kareus's CP partitions (the layer's core attention lets the schedule gather), p2p keeps
-    Transformer Engine's ring inside the attention op (TP partitions only)."""
-    if job.cp <= 1:
-        return []
-    core = type(layer.self_attention.core_attention).__name__
-    if runs_cp_partitions(layer) and job.cp_ring:
-        return [f"core attention {core}, whose K/V collectives are Kareus partitions (the "
-                f"plan's job: cp_comm_type p2p, the ring inside the attention op)"]
-    if not runs_cp_partitions(layer) and not job.cp_ring:
-        return [f"core attention {core}, which keeps its CP communication inside (the "
-                f"plan's job: cp_comm_type allgather, Kareus's CP partitions: use "
-                f"KareusCPCoreAttention)"]
-    return []

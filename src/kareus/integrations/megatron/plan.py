@@ -34,7 +34,7 @@ import torch
 from kareus.core import InstructionId
 from kareus.core.jsonfile import read_json_object
 from kareus.errors import KareusError, SpecError
-from kareus.integrations.megatron.ops import cp_mismatch
+from kareus.integrations.megatron.job_match import model_mismatch
 from kareus.integrations.megatron.order import (
     Instruction,
     check_job,
@@ -158,7 +158,7 @@ class MegatronPlan:
         settings = {k: s for k, s in fwd.settings.items() if k not in backward_keys}
         if bwd is not None:
             settings.update({k: s for k, s in bwd.settings.items() if k in backward_keys})
-        return LayerPlan(settings, fwd.slot_ops, split)
+        return LayerPlan(settings, fwd.slot_ops, split, fwd.recompute)
 
     @property
     def split(self) -> str:
@@ -272,36 +272,7 @@ class MegatronPlan:
                             f"FrequencyController(..., pp={self.pp})")
 
     def _check_layer(self, layer: Any) -> None:
-        cfg, m, tp = layer.config, self.job.model, self.job.tp
-        want = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
-                "num_query_groups": m.num_kv_heads, "ffn_hidden_size": m.ffn_hidden_size,
-                "kv_channels": m.head_dim, "tensor_model_parallel_size": tp,
-                "context_parallel_size": self.job.cp}
-        if self.vp > 1:  # the order of Megatron's interleaved schedule depends on these
-            want.update(pipeline_model_parallel_size=self.pp,
-                        virtual_pipeline_model_parallel_size=self.vp,
-                        microbatch_group_size_per_vp_stage=self.pp)
-        got = {k: getattr(cfg, k, None) for k in want}
-        got["context_parallel_size"] = got["context_parallel_size"] or 1
-        if got["num_query_groups"] is None:  # Megatron: no GQA means one group per head
-            got["num_query_groups"] = got["num_attention_heads"]
-        wrong = [f"{k} {got[k]} (the plan's job: {v})" for k, v in want.items()
-                 if got[k] != v]
-        if self.vp == 1 and (getattr(cfg, "virtual_pipeline_model_parallel_size", None)
-                             or 1) > 1:
-            wrong.append(f"virtual_pipeline_model_parallel_size "
-                         f"{cfg.virtual_pipeline_model_parallel_size} (the plan's job: plain "
-                         f"1F1B)")
-        full = getattr(cfg, "recompute_granularity", None) == "full"
-        if full != self.job.recompute:  # the plan's instruction times assume one or other
-            wrong.append(f"recompute_granularity {getattr(cfg, 'recompute_granularity', None)}"
-                         f" (the plan's job: {'full' if self.job.recompute else 'none'} "
-                         f"recompute)")
-        sp = bool(getattr(cfg, "sequence_parallel", False))
-        if sp != self.job.sequence_parallel:  # other collectives, other partitions
-            wrong.append(f"sequence_parallel {sp} (the plan's job: "
-                         f"{'' if self.job.sequence_parallel else 'no '}sequence parallelism)")
-        wrong += cp_mismatch(layer, self.job)
+        wrong = model_mismatch(layer, self.job)
         if wrong:
             raise SpecError(f"the model is not the plan's job: {', '.join(wrong)}")
 

@@ -31,11 +31,17 @@ The shifted causal mask, by core attention (`MegatronSeqOps.attention`):
   layer, whichever backend TE picks;
 - any other (Megatron's local `DotProductAttention`, the CPU core attentions): an
   explicit boolean mask, the shifted causal one together with the layer's own, with
-  ``AttnMaskType.arbitrary``.
+  ``AttnMaskType.arbitrary``. Megatron's local attention ignores the mask type of a call
+  and its softmax (`FusedScaleMaskSoftmax`) keeps the one it was built with: causal, whose
+  fused kernel asserts as many keys as queries (megatron/core/fusions/fused_softmax.py,
+  ``forward_fused_softmax``). For nanobatch 1's call its softmax is switched to the
+  arbitrary mask type (`softmax_mask_type`), whose fused kernel takes the explicit mask.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,6 +71,22 @@ def nanobatch_split(layer: Any, batch: int, plan: LayerPlan | None = None) -> st
                             f"{', '.join(SPLITS)}")
         return str(chosen)
     return "sequence" if batch == 1 else "batch"
+
+
+@contextlib.contextmanager
+def softmax_mask_type(core: Any, kind: AttnMaskType) -> Iterator[None]:
+    """Within: ``core``'s softmax (Megatron's local `DotProductAttention`'s
+    ``scale_mask_softmax``) applies mask type ``kind``; nothing where ``core`` has none."""
+    softmax = getattr(core, "scale_mask_softmax", None)
+    if softmax is None or not hasattr(softmax, "attn_mask_type"):
+        yield
+        return
+    built = softmax.attn_mask_type
+    softmax.attn_mask_type = kind
+    try:
+        yield
+    finally:
+        softmax.attn_mask_type = built
 
 
 class MegatronSeqOps(MegatronCutOps):
@@ -137,7 +159,7 @@ class MegatronSeqOps(MegatronCutOps):
                                      device=q.device).triu(offset + 1)[None, None]
                 mask = shifted if mask is None else (mask.bool() | shifted)
                 kind = AttnMaskType.arbitrary
-        with self.layer._kareus_piece(before, taps):
+        with self.layer._kareus_piece(before, taps), softmax_mask_type(core, kind):
             out: Tensor = core(q, k, v, mask, attn_mask_type=kind, attention_bias=None,
                                packed_seq_params=None)
         return out
