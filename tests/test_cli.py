@@ -238,6 +238,18 @@ def test_calibrate_lists_anchors(cli):
     assert r.code == 0, r.err
     names = [a["name"] for a in r.json()["anchors"]]
     assert any("ReduceScatter" in n for n in names) and any("kareus-1" in n for n in names)
+    refs = {a["unit"]: a["published"] for a in r.json()["anchors"]
+            if a["name"].startswith("kareus-1 Megatron at max clock")}
+    assert refs == {"s": 5.113, "J": 2814.0, "W": 275.0}
+    wall = [a for a in r.json()["anchors"] if "wall-clock" in a["name"]]
+    assert wall and all(a["published"] is None and a["rel_error"] is None for a in wall)
+
+
+def test_calibrate_table_shows_rows_without_a_reference(cli):
+    r = cli("calibrate")
+    assert r.code == 0, r.err
+    line = next(ln for ln in r.out.splitlines() if "wall-clock iteration time" in ln)
+    assert "no reference" in line
 
 
 @pytest.mark.parametrize(

@@ -48,8 +48,9 @@ def calibrate(
     t = table("Emulator vs public measurements",
               ("anchor", "unit", "published", "emulated", "error"), left=("anchor",))
     for a in anchors:
-        t.add_row(a.name, a.unit, f"{a.published:,.3f}", f"{a.emulated:,.3f}",
-                  f"{a.rel_error * 100:+.1f}%")
+        err = a.rel_error
+        t.add_row(a.name, a.unit, "-" if a.published is None else f"{a.published:,.3f}",
+                  f"{a.emulated:,.3f}", "no reference" if err is None else f"{err * 100:+.1f}%")
     console.print(t)
 
 

@@ -13,16 +13,19 @@ from kareus.job.hardware import get_gpu
 
 @dataclass(frozen=True)
 class Anchor:
-    """One public number next to the emulator's value for it."""
+    """One public number next to the emulator's value for it; ``published`` None: a figure
+    shown beside the others with no public measurement to compare it with."""
 
     name: str
     source: str
     unit: str
-    published: float
+    published: float | None
     emulated: float
 
     @property
-    def rel_error(self) -> float:
+    def rel_error(self) -> float | None:
+        if self.published is None:
+            return None
         return (self.emulated - self.published) / self.published
 
     def to_dict(self) -> dict:
