@@ -327,7 +327,8 @@ def check_node(name: str, gpu: GPUSpec, gpus_per_node: int) -> str | None:
     job, one identity); SpecError, one line, for a node that does not hold the job."""
     node = get_node(name)
     if gpu.name not in node.gpus:
-        raise SpecError(f"node type {node.name} holds {' or '.join(node.gpus)}, not {gpu.name}")
+        raise SpecError(f"node type {node.name} holds {' or '.join(node.gpus)}, not {gpu.name}; "
+                        f"name a node type that holds it (known: {', '.join(_NODES)})")
     if gpus_per_node > node.gpu_count:
         raise SpecError(f"node type {node.name} has {node.gpu_count} GPUs, not "
                         f"gpus_per_node={gpus_per_node}")
