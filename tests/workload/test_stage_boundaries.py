@@ -19,6 +19,9 @@ def test_kareus1_stage_fills_a_node_so_its_sends_cross():
     assert send.crosses_nodes
     # without SP every TP rank sends the whole [s, b, h] activation in bf16: 8 x 4096 x 3072 x 2
     assert send.bytes_ == 8 * 4096 * 3072 * 2 == 201_326_592
+    # with SP each rank holds and sends s / tp of it
+    sp = ExecutionGraph.from_job(build_job("kareus-1", overrides={"sequence_parallel": True}))
+    assert sp.stages[0].send_activation.bytes_ == sp.stages[1].send_grad.bytes_ == 201_326_592 / 8
 
 
 def test_stages_on_one_node_use_nvlink_and_those_across_the_network():

@@ -284,6 +284,9 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
     h = m.hidden_size
     vocab_local = -(-m.vocab_size // job.tp)  # vocab-parallel, padded up
     act_bytes = float(tokens * h * E)
+    # what each rank sends to the next stage: [s, b, h], its s / tp with SP (Megatron-Core's
+    # get_tensor_shapes; anchors §9)
+    p2p_bytes = act_bytes / job.tp if job.sequence_parallel else act_bytes
     tp_out_kind: CollectiveKind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
     params = layers * layer_params(job)
 
@@ -298,7 +301,7 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         # backward: scatter-add of the output gradient into the embedding rows
         bwd_post.append(memory_op("embedding_bwd", "other", tokens * h, 3 * tokens * h * E))
         params += vocab_local * h
-    send_grad = None if first else Collective("send_grad", "send_recv", "pp", 2, act_bytes,
+    send_grad = None if first else Collective("send_grad", "send_recv", "pp", 2, p2p_bytes,
                                               crosses_nodes=_send_crosses_nodes(job, index - 1))
     if last:
         norm = memory_op("final_norm", "norm", 4 * tokens * h, (2 * tokens * h + h) * E)
@@ -318,7 +321,7 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
             memory_backward(norm),
         ]
         params += vocab_local * h + h
-    send_act = None if last else Collective("send_activation", "send_recv", "pp", 2, act_bytes,
+    send_act = None if last else Collective("send_activation", "send_recv", "pp", 2, p2p_bytes,
                                             crosses_nodes=_send_crosses_nodes(job, index))
 
     # Weights are replicated across DP and CP ranks, so gradients are reduced over both

@@ -135,7 +135,7 @@ def test_bad_knobs_are_rejected(k1):
 
 
 def test_measure_op_outside_partitions(k1):
-    job, ps, b = k1
+    _job, ps, b = k1
     last = ps.graph.stages[-1]
     head = next(op for op in last.forward_post if op.name == "lm_head")
     hi, lo = b.measure_ops((head,), 1410), b.measure_ops((head,), 900)
