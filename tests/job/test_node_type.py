@@ -62,3 +62,10 @@ def test_cli_refuses_an_unknown_node_in_one_line(cli):
 def test_only_the_paper_presets_name_a_node():
     named = {name for name, fields in JOB_PRESETS.items() if "node" in fields}
     assert named == {f"kareus-{i}" for i in range(1, 11)}
+
+
+def test_kareus_gpus_lists_the_node_types(cli):
+    r = cli("gpus", "--json")
+    assert r.code == 0, r.err
+    nodes = {n["name"]: n for n in r.json()["nodes"]}
+    assert nodes["p4d.24xlarge"]["nics"] == 4 and nodes["p4d.24xlarge"]["nic_bytes_s"] == 12.5e9
