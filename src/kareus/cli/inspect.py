@@ -9,7 +9,7 @@ from kareus import SCHEMA_VERSION
 from kareus.cli.app import JsonFlag, app, console, print_json
 from kareus.cli.app import table as make_table
 from kareus.cli.job import with_job
-from kareus.job.hardware import get_gpu, gpu_names
+from kareus.job.hardware import get_gpu, get_node, gpu_names, node_names
 from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS
 from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec
@@ -187,8 +187,10 @@ def gpus(
     name: Annotated[Optional[str], typer.Argument(help="Show one GPU with sources.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """List the GPU catalog (or one GPU with the source of each constant)."""
+    """List the GPU catalog and the node types (or one GPU with the source of each
+    constant)."""
     specs = [get_gpu(name)] if name else [get_gpu(n) for n in gpu_names()]
+    nodes = [] if name else [get_node(n) for n in node_names()]
     if json_out:
         out = []
         for g in specs:
@@ -196,7 +198,8 @@ def gpus(
             d["clock_table_mhz"] = list(g.clock_table_mhz)
             d["search_freqs_mhz"] = list(g.search_freqs_mhz)
             out.append(d)
-        print_json({"schema_version": SCHEMA_VERSION, "gpus": out})
+        print_json({"schema_version": SCHEMA_VERSION, "gpus": out,
+                    "nodes": [{**n.__dict__, "gpus": list(n.gpus)} for n in nodes]})
         return
     table = make_table("GPU catalog", (), left=())
     for col in ("GPU", "SMs", "MHz", "search MHz", "HBM GB/s", "TDP W", "bf16 TFLOP/s",
@@ -213,3 +216,12 @@ def gpus(
     if name:
         for key, note in specs[0].notes.items():
             console.print(f"  {key}: {note}")
+        return
+    table = make_table("Node types (--node; a job naming none runs on its GPU's default)", (),
+                       left=())
+    for col in ("node", "GPUs", "between nodes", "source"):
+        table.add_column(col, overflow="fold")
+    for n in nodes:
+        table.add_row(n.name, f"{n.gpu_count}x {' or '.join(n.gpus)}",
+                      f"{n.nics} x {n.nic_bytes_s * 8 / 1e9:g} Gb/s", n.notes.get("nics", ""))
+    console.print(table)

@@ -59,6 +59,9 @@ _JOB_OPTIONS: list[tuple[str, Any, Optional[str]]] = [
     ("gpus_per_node", Annotated[Optional[int], _opt(
         "--gpus-per-node", help="GPUs per node.")], "gpus_per_node"),
     ("nodes", Annotated[Optional[int], _opt("--nodes", help="Number of nodes.")], "nodes"),
+    ("node", Annotated[Optional[str], _opt(
+        "--node", help="Node type, its links between nodes (see `kareus gpus`; default the "
+        "GPU's, DGX-A100 for A100s; kareus-1..10: p4d.24xlarge).")], "node"),
     ("freqs", Annotated[Optional[str], _opt(
         "--freqs", help="Search frequencies in MHz, e.g. 1410,1200,900.")], "search_freqs_mhz"),
     ("sms_all_reduce", Annotated[Optional[str], _opt(

@@ -33,8 +33,8 @@ class GPUSpec:
     """Achieved 8-GPU NCCL AllReduce bus bandwidth inside one node."""
     nccl_channel_cap_bytes_s: float
     """NCCL's own per-channel (per-CTA) bandwidth cap for this architecture."""
-    internode_bytes_s: float
-    """Network bandwidth per GPU between nodes."""
+    default_node: str
+    """The node type (`NodeSpec`) a job on this GPU runs on when it names none."""
     static_power_w: float
     """Power of a GPU blocked in communication (what Kareus/Perseus subtract)."""
     idle_power_w: float
@@ -79,7 +79,7 @@ _A100_NOTES = {
     "flop_per_clock_per_sm": "inferred: 312 TFLOP/s / (108 SMs x 1.41 GHz) = 2048 (anchors §1)",
     "allreduce_busbw": "nccl-tests 8-GPU AllReduce 208-240 GB/s achieved; midpoint (anchors §1)",
     "nccl_channel_cap": "NCCL cost model per-channel cap, Ampere 20 GB/s (anchors §3)",
-    "internode": "assumption: one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)",
+    "default_node": "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU (anchors §9)",
     "static_power": "Kareus/Perseus constant for A100, GPU blocked in communication (anchors §1)",
     "idle_power": "about 60 W at 210 MHz (anchors §1)",
     "nccl_channels": "24 coll channels in NCCL_DEBUG=INFO logs of 8-GPU NVSwitch A100 nodes; "
@@ -93,7 +93,6 @@ _HOPPER_NOTES = {
     "search freqs": "analogous to A100: max down to ~64% of max (900/1410) in 30 MHz steps",
     "flop_per_clock_per_sm": "inferred 4096 (anchors §1); 989 TFLOP/s is quoted at ~1830 MHz",
     "nccl_channel_cap": "NCCL cost model per-channel cap, Hopper 36.7 GB/s (anchors §3)",
-    "internode": "assumption: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100)",
     "static_power": "assumption: not published; 115 W chosen inside the 90-145 W range "
                     "(anchors §1)",
     "idle_power": "about 140 W with memory allocated, P0 (anchors §1)",
@@ -114,7 +113,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nvlink_bytes_s=300 * _GB,
         allreduce_busbw_bytes_s=224 * _GB,
         nccl_channel_cap_bytes_s=20 * _GB,
-        internode_bytes_s=25 * _GB,
+        default_node="DGX-A100",
         static_power_w=85.0,
         nccl_channels=24,
         idle_power_w=60.0,
@@ -133,7 +132,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nvlink_bytes_s=300 * _GB,
         allreduce_busbw_bytes_s=224 * _GB,
         nccl_channel_cap_bytes_s=20 * _GB,
-        internode_bytes_s=25 * _GB,
+        default_node="DGX-A100",
         static_power_w=85.0,
         nccl_channels=24,
         idle_power_w=60.0,
@@ -152,13 +151,14 @@ _CATALOG: dict[str, GPUSpec] = {
         nvlink_bytes_s=450 * _GB,
         allreduce_busbw_bytes_s=370 * _GB,
         nccl_channel_cap_bytes_s=36.7 * _GB,
-        internode_bytes_s=50 * _GB,
+        default_node="DGX-H100",
         static_power_w=115.0,
         nccl_channels=32,
         idle_power_w=140.0,
         memory_bytes=80 * 2**30,
         search_min_freq_mhz=1260,
-        notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (anchors §1)"},
+        notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (anchors §1)",
+               "default_node": "DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU (anchors §9)"},
     ),
     "H200": GPUSpec(
         name="H200",
@@ -172,13 +172,14 @@ _CATALOG: dict[str, GPUSpec] = {
         nvlink_bytes_s=450 * _GB,
         allreduce_busbw_bytes_s=475 * _GB,
         nccl_channel_cap_bytes_s=36.7 * _GB,
-        internode_bytes_s=50 * _GB,
+        default_node="DGX-H200",
         static_power_w=115.0,
         nccl_channels=32,
         idle_power_w=140.0,
         memory_bytes=141e9,
         search_min_freq_mhz=1260,
-        notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (anchors §1)"},
+        notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (anchors §1)",
+               "default_node": "DGX H200: one 400 Gb/s NDR InfiniBand NIC per GPU (anchors §9)"},
     ),
     "A40": GPUSpec(
         name="A40",
@@ -192,7 +193,7 @@ _CATALOG: dict[str, GPUSpec] = {
         nvlink_bytes_s=56.25 * _GB,
         allreduce_busbw_bytes_s=20 * _GB,
         nccl_channel_cap_bytes_s=20 * _GB,
-        internode_bytes_s=12.5 * _GB,
+        default_node="A40-PCIe",
         static_power_w=70.0,
         idle_power_w=30.0,
         memory_bytes=48 * 2**30,
@@ -202,10 +203,10 @@ _CATALOG: dict[str, GPUSpec] = {
             "flop_per_clock_per_sm": "inferred 1024 (anchors §1)",
             "nvlink": "NVLink bridge between GPU pairs only; 112.5 GB/s bidirectional",
             "allreduce_busbw": "assumption: 8 GPUs over PCIe Gen4, ~20 GB/s bus bandwidth",
-            "internode": "assumption: one 100 Gb/s NIC per GPU",
             "static_power": "Kareus/Perseus constant for A40 (anchors §1)",
             "idle_power": "about 30 W in P8 (anchors §1)",
             "nccl_channels": "assumption: no public log for PCIe A40 nodes; Megatron's maxCTAs",
+            "default_node": "assumption: one 100 Gb/s NIC per GPU (no public A40 node)",
         },
     ),
 }
@@ -236,3 +237,99 @@ def get_gpu(name: str) -> GPUSpec:
         return _CATALOG[canonical]
     except KeyError:
         raise SpecError(f"unknown GPU {name!r}; known: {', '.join(_CATALOG)}") from None
+
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node type: the GPUs it holds and its network between nodes (anchors §9).
+    Inside the node the GPUs talk over NVLink/NVSwitch (the GPU's own constants)."""
+
+    name: str
+    gpus: tuple[str, ...]
+    """The GPU models (catalog names) this node type comes with."""
+    gpu_count: int
+    nics: int
+    """Network adapters for the compute fabric (storage and management ones left out)."""
+    nic_bytes_s: float
+    """One adapter's line rate."""
+    notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def internode_bytes_s(self) -> float:
+        """The node's network bandwidth to other nodes, all adapters together."""
+        return self.nics * self.nic_bytes_s
+
+    def internode_share_bytes_s(self, senders: int) -> float:
+        """Bandwidth each of ``senders`` GPUs gets when they send off the node at once: a
+        GPU's traffic leaves through one adapter, and the node's adapters are shared evenly
+        (p4d.24xlarge, 8 senders: 400 Gb/s / 8 = 6.25 GB/s each)."""
+        if senders < 1:
+            raise ValueError(f"senders must be >= 1, got {senders}")
+        return min(self.nic_bytes_s, self.internode_bytes_s / senders)
+
+
+_GBIT = 1e9 / 8  # bytes/s in one Gb/s
+
+_NODES: dict[str, NodeSpec] = {
+    "DGX-A100": NodeSpec(
+        name="DGX-A100", gpus=("A100-40GB", "A100-80GB"), gpu_count=8, nics=8,
+        nic_bytes_s=200 * _GBIT,
+        notes={"nics": "NVIDIA DGX A100 datasheet: 8 single-port ConnectX-6 200 Gb/s HDR "
+                       "InfiniBand for the compute fabric (anchors §9)"}),
+    "p4d.24xlarge": NodeSpec(
+        name="p4d.24xlarge", gpus=("A100-40GB",), gpu_count=8, nics=4,
+        nic_bytes_s=100 * _GBIT,
+        notes={"nics": "AWS EC2 P4d: 8 A100-40GB on NVSwitch, 400 Gb/s EFA per instance as "
+                       "4 x 100 Gb/s (anchors §9); the Kareus paper's cluster (anchors §4)"}),
+    "DGX-H100": NodeSpec(
+        name="DGX-H100", gpus=("H100-SXM",), gpu_count=8, nics=8, nic_bytes_s=400 * _GBIT,
+        notes={"nics": "NVIDIA DGX H100 user guide: 8 single-port ConnectX-7 400 Gb/s NDR "
+                       "InfiniBand for the compute fabric (anchors §9)"}),
+    "DGX-H200": NodeSpec(
+        name="DGX-H200", gpus=("H200",), gpu_count=8, nics=8, nic_bytes_s=400 * _GBIT,
+        notes={"nics": "NVIDIA DGX H200 datasheet: 8 single-port ConnectX-7 400 Gb/s "
+                       "(anchors §9)"}),
+    "A40-PCIe": NodeSpec(
+        name="A40-PCIe", gpus=("A40",), gpu_count=8, nics=8, nic_bytes_s=100 * _GBIT,
+        notes={"nics": "assumption: no public A40 node; one 100 Gb/s NIC per GPU"}),
+}
+
+_NODE_ALIASES = {
+    "dgx-a100": "DGX-A100", "dgxa100": "DGX-A100",
+    "p4d": "p4d.24xlarge", "p4d.24xlarge": "p4d.24xlarge",
+    "dgx-h100": "DGX-H100", "dgxh100": "DGX-H100",
+    "dgx-h200": "DGX-H200", "dgxh200": "DGX-H200",
+    "a40-pcie": "A40-PCIe",
+}
+
+
+def node_names() -> list[str]:
+    return list(_NODES)
+
+
+def get_node(name: str) -> NodeSpec:
+    """Look a node type up by its catalog name or a common alias (case-insensitive)."""
+    canonical = _NODE_ALIASES.get(name.strip().lower(), name)
+    try:
+        return _NODES[canonical]
+    except KeyError:
+        raise SpecError(f"unknown node type {name!r}; known: {', '.join(_NODES)}") from None
+
+
+def node_of(gpu: GPUSpec, node: str | None) -> NodeSpec:
+    """The node a job runs on: the one it names, else its GPU's default."""
+    return get_node(node if node is not None else gpu.default_node)
+
+
+def check_node(name: str, gpu: GPUSpec, gpus_per_node: int) -> str | None:
+    """A job's ``node`` field: the catalog name, or None for the GPU's default node (one
+    job, one identity); SpecError, one line, for a node that does not hold the job."""
+    node = get_node(name)
+    if gpu.name not in node.gpus:
+        raise SpecError(f"node type {node.name} holds {' or '.join(node.gpus)}, not {gpu.name}; "
+                        f"name a node type that holds it (known: {', '.join(_NODES)})")
+    if gpus_per_node > node.gpu_count:
+        raise SpecError(f"node type {node.name} has {node.gpu_count} GPUs, not "
+                        f"gpus_per_node={gpus_per_node}")
+    return None if node.name == gpu.default_node else node.name

@@ -2,11 +2,12 @@
 
 Model shapes are the public Hugging Face configs (docs/anchors.md §5). Job presets `kareus-1` ...
 `kareus-10` are the ten workloads evaluated in the Kareus paper, in the order docs/anchors.md §4
-lists them: A100 SXM4 40GB, 2 nodes x 8 GPUs, PP=2 with 15/13 layers, 8 microbatches,
-bf16, no sequence parallelism, full uniform activation recompute. `llama3.1-8b-h100-mbs1` and
-`llama3.3-70b-h100-mbs1` are micro-batch 1 (the sequence split) as close to NVIDIA's public
-dgxc-benchmarking Llama 3.1 rows (docs/anchors.md §8) as Kareus runs: the comments below say
-how each differs and why (`kareus compare --suite mbs1`, docs/comparison.md).
+lists them: A100 SXM4 40GB, 2 AWS p4d.24xlarge nodes x 8 GPUs, PP=2 with 15/13 layers,
+8 microbatches, bf16, no sequence parallelism, full uniform activation recompute.
+`llama3.1-8b-h100-mbs1` and `llama3.3-70b-h100-mbs1` are micro-batch 1 (the sequence split)
+as close to NVIDIA's public dgxc-benchmarking Llama 3.1 rows (docs/anchors.md §8) as Kareus
+runs: the comments below say how each differs and why (`kareus compare --suite mbs1`,
+docs/comparison.md).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ _PAPER_CLUSTER: dict[str, Any] = dict(
     gpu="A100-40GB",
     gpus_per_node=8,
     nodes=2,
+    node="p4d.24xlarge",  # 400 Gb/s EFA per node (docs/anchors.md §4, §9)
     recompute=True,
     sequence_parallel=False,
 )

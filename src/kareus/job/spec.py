@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kareus.errors import SpecError
 from kareus.job import nanobatch
-from kareus.job.hardware import GPUSpec, get_gpu
+from kareus.job.hardware import GPUSpec, NodeSpec, check_node, get_gpu, node_of
 from kareus.job.nanobatch import NanobatchSplit
 from kareus.job.validation import first_error_line
 
@@ -139,6 +139,8 @@ class JobSpec(BaseModel):
     gpu: str = "A100-40GB"
     gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE)
     nodes: int = Field(1, ge=1, le=MAX_GPUS)
+    node: str | None = Field(None, description="node type (kareus.job.hardware: its links "
+                             "between nodes); default the GPU's, e.g. DGX-A100 for A100s")
     sm_choices_all_reduce: tuple[int, ...] = Field(DEFAULT_SM_CHOICES_ALL_REDUCE,
                                                    max_length=MAX_KNOB_CHOICES)
     sm_choices_gather_scatter: tuple[int, ...] = Field(DEFAULT_SM_CHOICES_GATHER_SCATTER,
@@ -167,6 +169,8 @@ class JobSpec(BaseModel):
         gpu = get_gpu(self.gpu)  # raises for unknown names, listing the known ones
         if gpu.name != self.gpu:
             object.__setattr__(self, "gpu", gpu.name)
+        if self.node is not None:  # None: the GPU's default node (one job, one identity)
+            object.__setattr__(self, "node", check_node(self.node, gpu, self.gpus_per_node))
         if m.num_attention_heads % self.tp != 0:
             raise ValueError(
                 f"tp={self.tp} must divide the {m.num_attention_heads} attention heads of "
@@ -281,6 +285,10 @@ class JobSpec(BaseModel):
         return get_gpu(self.gpu)
 
     @property
+    def node_spec(self) -> NodeSpec:
+        return node_of(self.gpu_spec, self.node)
+
+    @property
     def virtual_stages(self) -> int:
         """The stages the workload is built with: pp x virtual_pipeline (virtual stage v
         runs on pipeline rank v % pp); ``layers_per_stage`` has one entry per each."""
@@ -373,7 +381,7 @@ class JobSpec(BaseModel):
             f"seq {self.seq_length}",
             f"{self.num_microbatches} microbatches",
             f"layers {'/'.join(map(str, self.layers_per_stage or ()))}",
-            f"{self.nodes}x{self.gpus_per_node} {self.gpu}",
+            f"{self.nodes}x{self.gpus_per_node} {self.gpu}{f' ({self.node})' if self.node else ''}",
         ]
         if self.kv_heads_replicated:
             parts.append(f"KV heads replicated x{self.tp // m.num_kv_heads}")

@@ -266,6 +266,16 @@ def _optimizer_step(params: int, shards: int) -> ComputeOp:
                      38 * params / shards + 4 * params)
 
 
+def _send_crosses_nodes(job: JobSpec, index: int) -> bool:
+    """Whether the pipeline sends between virtual stages ``index`` and ``index + 1`` leave
+    the node. Megatron's rank order tp-cp-dp-pp puts pipeline rank r's n = tp x cp x dp GPUs
+    at global ranks r n .. r n + n - 1, node by node; each GPU sends to its peer n x (the
+    ranks' distance) away (interleaved: the last rank's chunk sends to rank 0's next)."""
+    n, g = job.tp * job.cp * (job.dp or 1), job.gpus_per_node
+    a, b = index % job.pp, (index + 1) % job.pp
+    return any((a * n + i) // g != (b * n + i) // g for i in range(n))
+
+
 def _stage(job: JobSpec, index: int) -> StageGraph:
     m = job.model
     first, last = index == 0, index == job.virtual_stages - 1
@@ -274,6 +284,9 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
     h = m.hidden_size
     vocab_local = -(-m.vocab_size // job.tp)  # vocab-parallel, padded up
     act_bytes = float(tokens * h * E)
+    # what each rank sends to the next stage: [s, b, h], its s / tp with SP (Megatron-Core's
+    # get_tensor_shapes; anchors §9)
+    p2p_bytes = act_bytes / job.tp if job.sequence_parallel else act_bytes
     tp_out_kind: CollectiveKind = "reduce_scatter" if job.sequence_parallel else "all_reduce"
     params = layers * layer_params(job)
 
@@ -288,7 +301,8 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         # backward: scatter-add of the output gradient into the embedding rows
         bwd_post.append(memory_op("embedding_bwd", "other", tokens * h, 3 * tokens * h * E))
         params += vocab_local * h
-    send_grad = None if first else Collective("send_grad", "send_recv", "pp", 2, act_bytes)
+    send_grad = None if first else Collective("send_grad", "send_recv", "pp", 2, p2p_bytes,
+                                              crosses_nodes=_send_crosses_nodes(job, index - 1))
     if last:
         norm = memory_op("final_norm", "norm", 4 * tokens * h, (2 * tokens * h + h) * E)
         head = gemm("lm_head", tokens, vocab_local, h)
@@ -307,7 +321,8 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
             memory_backward(norm),
         ]
         params += vocab_local * h + h
-    send_act = None if last else Collective("send_activation", "send_recv", "pp", 2, act_bytes)
+    send_act = None if last else Collective("send_activation", "send_recv", "pp", 2, p2p_bytes,
+                                            crosses_nodes=_send_crosses_nodes(job, index))
 
     # Weights are replicated across DP and CP ranks, so gradients are reduced over both
     # (Megatron's data-parallel group includes the context-parallel ranks); distributed

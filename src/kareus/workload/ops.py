@@ -92,6 +92,8 @@ class Collective:
     """The input-gradient collective of a column-parallel linear: Megatron-Core issues it
     asynchronously after the data gradient GEMM and runs the weight gradient GEMM beside it
     (`allreduce_dgrad`; TransformerEngine's Linear does the same, anchors §6)."""
+    crosses_nodes: bool = False
+    """A pipeline send between stages on different nodes (the network, not NVLink)."""
 
     @property
     def is_collective(self) -> bool:
@@ -102,7 +104,7 @@ class Collective:
         return _SUFFIX[self.kind]
 
     def to_dict(self) -> dict:
-        return {
+        d: dict = {
             "name": self.name,
             "kind": self.kind,
             "group": self.group,
@@ -110,6 +112,9 @@ class Collective:
             "flops": self.flops,
             "bytes": self.bytes_,
         }
+        if self.crosses_nodes:  # only then: the signatures of all other ops stay as they were
+            d["crosses_nodes"] = True
+        return d
 
 
 Op = ComputeOp | Collective

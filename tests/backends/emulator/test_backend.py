@@ -135,16 +135,18 @@ def test_bad_knobs_are_rejected(k1):
 
 
 def test_measure_op_outside_partitions(k1):
-    job, ps, b = k1
+    _job, ps, b = k1
     last = ps.graph.stages[-1]
     head = next(op for op in last.forward_post if op.name == "lm_head")
     hi, lo = b.measure_ops((head,), 1410), b.measure_ops((head,), 900)
     assert lo.time_s > hi.time_s and lo.dynamic_energy_j < hi.dynamic_energy_j
     send = ps.graph.stages[0].send_activation
     assert send is not None
-    # the P2P crosses nodes (TP8 fills a node): it runs at the network's speed
+    # the P2P crosses nodes (TP8 fills a node): it runs at the network's speed, the 8 GPUs
+    # sharing the p4d.24xlarge's 400 Gb/s (achieved: 0.9 of it)
+    assert send.crosses_nodes
     t = b.measure_ops((send,), 1410).time_s
-    assert t == pytest.approx(send.bytes_ / (0.9 * job.gpu_spec.internode_bytes_s), rel=0.05)
+    assert t == pytest.approx(send.bytes_ / (0.9 * 400e9 / 8 / 8), rel=0.05)
 
 
 def test_interdependence_of_the_knobs(k1):

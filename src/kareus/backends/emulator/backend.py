@@ -38,14 +38,22 @@ def register_transients(factory: Callable[[EmulatorBackend], _Transients]) -> No
 
 
 def internode_groups(job: JobSpec) -> frozenset[str]:
-    """Groups whose collectives cross nodes, for Megatron's rank order tp-cp-dp-pp."""
-    groups = set()
-    stage_ranks = job.tp * job.cp * (job.dp or 1)
-    if job.nodes > 1 and stage_ranks >= job.gpus_per_node:
-        groups.add("pp")  # consecutive stages sit on different nodes
-    if stage_ranks > job.gpus_per_node:
-        groups.add("dp")  # the gradient-sync group spans nodes
-    return frozenset(groups)
+    """Groups whose collectives cross nodes, for Megatron's rank order tp-cp-dp-pp (a
+    pipeline send says itself whether it leaves the node: `Collective.crosses_nodes`)."""
+    if job.tp * job.cp * (job.dp or 1) > job.gpus_per_node:
+        return frozenset({"dp"})  # the gradient-sync group spans nodes
+    return frozenset()
+
+
+def network_share_bytes_s(job: JobSpec) -> float:
+    """Network bandwidth per GPU of the job's node when its traffic leaves the node. The
+    GPUs sending off a node at once are the pipeline stage's on it (tp x cp x dp of them,
+    at most the node's: a stage's TP ranks each send their copy of the same microbatch's
+    activation together, and the data-parallel replicas run the same schedule); a
+    gradient sync spanning nodes runs on every GPU of the node at once, which is the same
+    count, since its group spans nodes only when a stage fills them."""
+    senders = min(job.tp * job.cp * (job.dp or 1), job.gpus_per_node)
+    return job.node_spec.internode_share_bytes_s(senders)
 
 
 class EmulatorBackend:
@@ -83,7 +91,8 @@ class EmulatorBackend:
         self._repeats: dict[str, int] = {}
         self.protocol = protocol or MeasurementProtocol()
         self.static_power_w: float = self.gpu.static_power_w * self.params.static_power_scale
-        self.physics = GPUPhysics(self.gpu, self.params)
+        self.physics = GPUPhysics(self.gpu, self.params,
+                                  network_share_bytes_s(job) if job is not None else None)
         groups = internode_groups(job) if job is not None else frozenset()
         if power_limit_w is not None and not 0 < power_limit_w <= self.gpu.tdp_w:
             raise SpecError(f"a power limit must be in (0, {self.gpu.tdp_w:g}] W (the "

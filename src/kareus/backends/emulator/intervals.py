@@ -33,6 +33,11 @@ class Intervals:
         self._table = [float(f) for f in physics.clock_table]  # ascending
         self._cache: dict = {}
 
+    def internode(self, coll: Collective) -> bool:
+        """A collective over the network: a pipeline send between nodes, or a group that
+        spans nodes."""
+        return coll.crosses_nodes or coll.group in self.internode_groups
+
     def _interval(self, main: Item | None, side: Item | None, f_set: float, side_sms: int,
                   blocking_sms: int, throttle: bool = True
                   ) -> tuple[float, float, float, float]:
@@ -77,7 +82,7 @@ class Intervals:
             contention = 1.0
             if side is not None and side[0] == "xfer":
                 coll = side[1]
-                inter = coll.group in self.internode_groups
+                inter = self.internode(coll)
                 coll_demand = ph.coll_hbm_demand(coll, f, side_sms, inter)
                 alloc_main, alloc_side = ph.share_hbm(
                     ph.compute_hbm_demand(op, f, sms), coll_demand)
@@ -94,7 +99,7 @@ class Intervals:
                 power += ph.coll_latency_power(blocking_sms, f)
         elif main is not None and main[0] == "xfer":
             coll = main[1]
-            inter = coll.group in self.internode_groups
+            inter = self.internode(coll)
             r = ph.coll_rate(coll, f, blocking_sms, ph.hbm_bw, inter)
             d_main = r.duration_s
             power += r.sm_power_w + r.link_power_w
@@ -108,7 +113,7 @@ class Intervals:
             power += ph.coll_latency_power(side_sms, f)
         elif side is not None and side[0] == "xfer":
             coll = side[1]
-            inter = coll.group in self.internode_groups
+            inter = self.internode(coll)
             r = ph.coll_rate(coll, f, side_sms, alloc_side, inter)
             d_side = r.duration_s
             power += r.sm_power_w + r.link_power_w

@@ -19,7 +19,7 @@ import numpy as np
 from kareus.backends.emulator import attention
 from kareus.backends.emulator.gemm import GemmModel, tile_catalog
 from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams, default_params
-from kareus.job.hardware import GPUSpec, get_gpu
+from kareus.job.hardware import GPUSpec, get_gpu, get_node
 from kareus.workload.ops import Collective, ComputeOp
 
 REFERENCE_GEMM_EFFICIENCY = 0.96
@@ -61,7 +61,11 @@ class KernelRate:
 class GPUPhysics:
     """Kernel rates and power for one GPU model and one parameter set."""
 
-    def __init__(self, gpu: GPUSpec, params: EmulatorParams) -> None:
+    def __init__(self, gpu: GPUSpec, params: EmulatorParams,
+                 internode_bytes_s: float | None = None) -> None:
+        """``internode_bytes_s``: each GPU's share of its node's network when traffic leaves
+        the node (`kareus.backends.emulator.backend.network_share_bytes_s`); default one
+        adapter of the GPU's default node."""
         self.gpu = gpu
         self.p = params
         self.n_sm = gpu.sm_count
@@ -69,7 +73,9 @@ class GPUPhysics:
         self.hbm_bw = gpu.hbm_bandwidth_bytes_s * params.hbm_efficiency
         self.clock_table = np.array(gpu.clock_table_mhz[::-1], dtype=float)  # ascending
         self.intra_link = params.coll_link_busbw_bytes_s
-        self.inter_link = 0.9 * gpu.internode_bytes_s
+        if internode_bytes_s is None:
+            internode_bytes_s = get_node(gpu.default_node).internode_share_bytes_s(1)
+        self.inter_link = 0.9 * internode_bytes_s  # achieved: 0.9 of the line rate
         self.gemm = GemmModel(tile_catalog(gpu.name), params.gemm_efficiency, params.gemm_k0,
                               params.gemm_tile_plan_sms)
         self._attention_eff: dict[tuple[int, bool, bool], float] = {}
