@@ -69,3 +69,13 @@ def test_kareus_gpus_lists_the_node_types(cli):
     assert r.code == 0, r.err
     nodes = {n["name"]: n for n in r.json()["nodes"]}
     assert nodes["p4d.24xlarge"]["nics"] == 4 and nodes["p4d.24xlarge"]["nic_bytes_s"] == 12.5e9
+
+
+def test_another_gpu_on_a_preset_takes_that_gpu_s_default_node():
+    """kareus-1 names the paper's p4d.24xlarge; asking for an H100 drops it for the
+    H100's default node, unless a node is named too (then that one is checked)."""
+    job = build_job("kareus-1", overrides={"gpu": "H100-SXM"})
+    assert job.node is None and job.node_spec.name == "DGX-H100"
+    assert build_job("kareus-1").node == "p4d.24xlarge"
+    with pytest.raises(SpecError, match="holds A100-40GB, not H100-SXM"):
+        build_job("kareus-1", overrides={"gpu": "H100-SXM", "node": "p4d.24xlarge"})

@@ -170,7 +170,12 @@ def build_job(
         data.update(preset_fields(preset))
     if config is not None:
         data.update(load_job_file(config))
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "gpu" in given and "node" not in given:
+        # another GPU than the preset's or file's: their node type holds theirs, so the
+        # job takes the new GPU's default node unless one is named with it
+        data.pop("node", None)
+    data.update(given)
     if "model" not in data:
         raise SpecError("no model given: pass --preset NAME, --model NAME|config.json or --config")
     data["model"] = resolve_model(data["model"])
