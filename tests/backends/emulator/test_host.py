@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.host import HostCosts, HostPlan
 from kareus.backends.emulator.iteration import IterationSimulator
+from kareus.backends.emulator.iteration_anchors import H100_8B_JOB
 from kareus.backends.emulator.params import default_params
 from kareus.backends.emulator.profiles import KERNEL_CLASSES
-from kareus.backends.emulator.iteration_anchors import H100_8B_JOB
 from kareus.job.sources import build_job
 from kareus.plans.methods import baseline_plan
 from kareus.plans.schedule import one_f_one_b

@@ -25,7 +25,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from kareus.backends.emulator.host import HostCosts, HostPlan
-
 from kareus.backends.emulator.intervals import Intervals, Item
 from kareus.backends.emulator.limiter import LimiterState, PowerLimiter
 from kareus.backends.emulator.physics import GPUPhysics
