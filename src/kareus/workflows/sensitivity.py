@@ -84,11 +84,11 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("host_module_s", 74e-6, 140e-6, False,
              "public: host time per linear forward, Megatron-Core ColumnParallelLinear 74 us "
              "and TransformerEngine's 140 us (115 us nominal, after TE PR 1191; TP1, BF16; "
-             "anchors §9); used for attention and the embedding without a figure of their "
+             "anchors §10); used for attention and the embedding without a figure of their "
              "own. Moves simulated iterations (`simulate`, calibrate), not the composed "
              "headline: partitions are measured in loops whose host keeps ahead"),
     Constant("host_basic_op_s", 1e-6, 13.5e-6, False,
-             "'O(1 us)' per basic PyTorch op (TE issue 2053, anchors §9); no per-module "
+             "'O(1 us)' per basic PyTorch op (TE issue 2053, anchors §10); no per-module "
              "figure for norms, RoPE, activations, residuals: up to 13.5 us, a torch Linear's "
              "whole forward on an H100 DGX (same issue). Simulated iterations only"),
     Constant("host_backward_scale", 0.5, 2.0, False,

@@ -1,7 +1,7 @@
 """The host that issues the compute stream's kernels (docs/emulator.md, "The host").
 
 Training's Python issues every kernel: a module call (a linear, an attention) costs the
-host tens of microseconds, a basic PyTorch op about one (docs/anchors.md §9). A kernel
+host tens of microseconds, a basic PyTorch op about one (docs/anchors.md §10). A kernel
 cannot start before the host issued it. The host never waits for the GPU between two
 syncs, so where the GPU's kernels take longer than the host needs per kernel the queue
 fills and the host is hidden; after a sync (an empty queue) the GPU waits for the host
@@ -34,7 +34,7 @@ autograd's backward of the module whose forward is the name's stem."""
 MODULE_OPS = frozenset({"embedding"})
 """Memory-bound kernels issued by a module call of their own: Megatron-Core's
 VocabParallelEmbedding (a lookup, a mask, its all-reduce). No public figure for it: the
-linear's (an assumption, docs/anchors.md §9)."""
+linear's (an assumption, docs/anchors.md §10)."""
 
 
 def is_backward(op: Op) -> bool:
@@ -43,7 +43,7 @@ def is_backward(op: Op) -> bool:
 
 @dataclass(frozen=True)
 class HostCosts:
-    """Host time to issue each op, from the emulator's constants (docs/anchors.md §9)."""
+    """Host time to issue each op, from the emulator's constants (docs/anchors.md §10)."""
 
     module_s: float
     basic_op_s: float

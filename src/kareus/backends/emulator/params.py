@@ -74,13 +74,13 @@ class EmulatorParams:
     host_module_s: float = 115e-6
     """Host time of one module call (a linear's or an attention's first kernel):
     TransformerEngine's TEColumnParallelLinear forward, 115 us (140 before TE PR 1191;
-    Megatron-Core's own ColumnParallelLinear 74 us; TP=1, BF16; docs/anchors.md §9).
+    Megatron-Core's own ColumnParallelLinear 74 us; TP=1, BF16; docs/anchors.md §10).
     The emulator's layer is Megatron-Core with TransformerEngine. No public figure for an
     attention module: the Linear's (an assumption). Varied 74-140 us by --sensitivity."""
     host_basic_op_s: float = 1e-6
     """Host time of one memory-bound kernel (norm, RoPE, activation, residual, loss) or a
     module's further kernel: "many basic PyTorch operations ... involve O(1 us) overhead"
-    (TE issue 2053, docs/anchors.md §9). No public per-module figure for these kinds: an
+    (TE issue 2053, docs/anchors.md §10). No public per-module figure for these kinds: an
     assumption, varied 1-13.5 us (13.5: a torch Linear's whole forward on an H100 DGX)."""
     host_backward_scale: float = 1.0
     """A backward kernel's host time over its forward's. No public backward figure: 1 (an
