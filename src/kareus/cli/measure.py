@@ -162,7 +162,8 @@ def simulate(
 
 BREAKDOWN_LABELS = {
     "gemm": "GEMM", "attention": "attention", "memory": "memory-bound kernels",
-    "launch_gap": "launch gaps", "collective_exposed": "collectives, exposed",
+    "launch_gap": "launch gaps", "host_idle": "waiting for the host (host idle)",
+    "collective_exposed": "collectives, exposed",
     "transfers": "pipeline transfers (sending)",
     "iteration_end": "data-parallel sync, optimizer step",
     "pipeline_wait": "pipeline bubbles and waits"}

@@ -81,6 +81,19 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("launch_overhead_s", 1e-6, 10e-6, False,
              "no authoritative public number: 'a couple of microseconds' per launch is "
              "anecdotal (anchors §8); 1-10 us around the nominal 4 us"),
+    Constant("host_module_s", 74e-6, 140e-6, False,
+             "public: host time per linear forward, Megatron-Core ColumnParallelLinear 74 us "
+             "and TransformerEngine's 140 us (115 us nominal, after TE PR 1191; TP1, BF16; "
+             "anchors §10); used for attention and the embedding without a figure of their "
+             "own. Moves simulated iterations (`simulate`, calibrate), not the composed "
+             "headline: partitions are measured in loops whose host keeps ahead"),
+    Constant("host_basic_op_s", 1e-6, 13.5e-6, False,
+             "'O(1 us)' per basic PyTorch op (TE issue 2053, anchors §10); no per-module "
+             "figure for norms, RoPE, activations, residuals: up to 13.5 us, a torch Linear's "
+             "whole forward on an H100 DGX (same issue). Simulated iterations only"),
+    Constant("host_backward_scale", 0.5, 2.0, False,
+             "no public figure for the host time of a backward: 1 (as the forward), halved to "
+             "doubled. Simulated iterations only"),
     Constant("gemm_fixed_s", 1e-6, 6.5e-6, False,
              "fitted to XLA's H100 shape table (2.5 us, anchors §8) and used on A100 "
              "without an A100 table; 1 us to the 6.5 us the same table gives when every "

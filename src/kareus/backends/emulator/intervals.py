@@ -15,9 +15,10 @@ from typing import Literal
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.workload.ops import Collective, ComputeOp
 
-# Item kinds: ("gap", seconds) fixed idle time; ("op", ComputeOp); ("lat", seconds)
-# collective latency; ("xfer", Collective) collective transfer.
-Item = (tuple[Literal["gap", "lat"], float] | tuple[Literal["op"], ComputeOp]
+# Item kinds: ("gap", seconds) launch gap; ("host", seconds) wait for the host to issue
+# the next kernel (host.py); ("op", ComputeOp); ("lat", seconds) collective latency;
+# ("xfer", Collective) collective transfer.
+Item = (tuple[Literal["gap", "host", "lat"], float] | tuple[Literal["op"], ComputeOp]
         | tuple[Literal["xfer"], Collective])
 
 
@@ -92,7 +93,9 @@ class Intervals:
             d_main = r.duration_s
             power += r.sm_power_w + r.link_power_w  # link: a CP ring inside attention
             hbm += r.hbm_bytes_s
-        elif main is not None and main[0] in ("gap", "lat"):
+        elif main is not None and main[0] in ("gap", "host", "lat"):
+            # a launch gap or a wait for the host: static power (as any wait) and
+            # whatever the side collective draws
             d_main = main[1]
             alloc_side = ph.hbm_bw
             if main[0] == "lat":

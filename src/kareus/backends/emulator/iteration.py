@@ -20,6 +20,11 @@ transfer, a backward for the next stage's backward plus the gradient transfer. A
 last backward a rank runs the data-parallel gradient sync. A GPU that waits draws static
 power.
 
+The host issues each rank's kernels (host.py): every instruction of a pipeline starts
+from an empty queue (Megatron-Core synchronises the device after each batched P2P
+exchange), and so does the iteration's first (the optimizer's gradient norm is read on the
+host); without a pipeline the host's lag carries from one instruction to the next.
+
 Iteration time is the slowest rank's; energy is summed over all GPUs of the job:
 sum of dynamic energies (every GPU of a stage does the same work) + GPUs x time x static.
 """
@@ -32,6 +37,7 @@ from functools import partial
 
 from kareus import SCHEMA_VERSION
 from kareus.backends.emulator.backend import EmulatorBackend
+from kareus.backends.emulator.host import HostPlan
 from kareus.backends.emulator.limiter import LimiterState
 from kareus.backends.emulator.timeline import KERNEL_CLASSES, RunResult
 from kareus.core import ZERO, Knobs, Measurement
@@ -125,6 +131,8 @@ class IterationSimulator:
         self._runs: dict = {}
         self._instructions: dict = {}
         self._plans_of_steps: dict = {}
+        self.host_lag_s = 0.0
+        """The host's lag at the end of the last `_continuous` instruction (host.py)."""
 
     # One instruction ----------------------------------------------------------------------
 
@@ -190,9 +198,12 @@ class IterationSimulator:
     # Continuous instructions ----------------------------------------------------------------
 
     def _continuous(self, plan: ExecutionPlan, iid: tuple[int, int, str], freq_mhz: int,
-                    state: LimiterState, classes: list[float] | None = None) -> Measurement:
+                    state: LimiterState, classes: list[float] | None = None,
+                    host_lag_s: float = 0.0) -> Measurement:
         """Instruction ``iid`` as one timeline from ``state`` (updated to its end state);
-        its time and energy per kernel class are added to ``classes``."""
+        its time and energy per kernel class are added to ``classes``. ``host_lag_s``: the
+        host's lag at its start (0: from an empty queue); the lag at its end is left in
+        `host_lag_s`."""
         stage, microbatch, direction = iid
         if plan.runs_sequential(stage, direction, microbatch):
             config: tuple = ("seq", stage, direction)
@@ -202,20 +213,28 @@ class IterationSimulator:
         # a whole instruction from the same (snapped) state is the same run of steps: the
         # first step would snap the state the same way, and each step is a function of it
         self._snap(state)
-        key = (config, freq_mhz, state.avg_power_w, state.cap_mhz, state.since_tick_s)
+        runs = self._step_runs(config, freq_mhz)
+        # a host ahead by more than the instruction's whole issue time never holds it up
+        issue_s = sum(sum(hp.issue_s) for _, _, hp in runs)
+        host_key = None if host_lag_s <= -issue_s else host_lag_s
+        key = (config, freq_mhz, state.avg_power_w, state.cap_mhz, state.since_tick_s,
+               host_key)
         hit = self._instructions.get(key)
         if hit is None:
             t = e = f_s = 0.0
             tally = [0.0] * 2 * len(KERNEL_CLASSES)  # time, then energy, per class
-            for step_key, run in self._step_runs(config, freq_mhz):
-                r = self._step(step_key, run, freq_mhz, state)
+            lag = host_lag_s
+            for step_key, run, host in runs:
+                r, lag = self._step(step_key, run, freq_mhz, state, host, lag)
                 t, e, f_s = t + r.time_s, e + r.energy_j, f_s + r.freq_time_mhz_s
                 for i, v in enumerate(r.classes):
                     tally[i] += v
             hit = self._instructions[key] = (
-                t, e, f_s, tuple(tally), (state.avg_power_w, state.cap_mhz, state.since_tick_s))
-        t, e, f_s, tallied, end = hit
+                t, e, f_s, tuple(tally), (state.avg_power_w, state.cap_mhz, state.since_tick_s),
+                lag - host_lag_s)
+        t, e, f_s, tallied, end, drift = hit
         state.avg_power_w, state.cap_mhz, state.since_tick_s = end
+        self.host_lag_s = host_lag_s + drift
         if classes is not None:
             for i, v in enumerate(tallied):
                 classes[i] += v
@@ -233,25 +252,31 @@ class IterationSimulator:
             state.since_tick_s = tenths * lim.tick_s / 10
 
     def _step(self, step_key: tuple, run: Callable[..., RunResult], f: int,
-              state: LimiterState) -> RunResult:
-        """One step from ``state``, updating it. The state is snapped at step boundaries
-        (average power to 0.5 W, the control tick's phase to a tenth of a tick), so that
-        the same step from nearly the same state is simulated once: a layer's partitions
-        repeat layer after layer from states that converge."""
+              state: LimiterState, host: HostPlan, host_lag_s: float
+              ) -> tuple[RunResult, float]:
+        """One step from ``state``, updating it, and the host's lag after it. The state is
+        snapped at step boundaries (average power to 0.5 W, the control tick's phase to a
+        tenth of a tick), so that the same step from nearly the same state is simulated
+        once: a layer's partitions repeat layer after layer from states that converge (and
+        a host far enough ahead is the same host to them)."""
         self._snap(state)
-        key = (step_key, f, state.avg_power_w, state.cap_mhz, state.since_tick_s)
+        host_key = None if host.hidden(host_lag_s) else host_lag_s
+        key = (step_key, f, state.avg_power_w, state.cap_mhz, state.since_tick_s, host_key)
         hit = self._runs.get(key)
         if hit is None:
             st = LimiterState(state.avg_power_w, state.cap_mhz, state.since_tick_s)
-            hit = self._runs[key] = (run(state=st), st)
+            hit = self._runs[key] = (run(state=st, host_lag_s=host_lag_s), st)
         r, end = hit
         state.avg_power_w, state.cap_mhz, state.since_tick_s = (
             end.avg_power_w, end.cap_mhz, end.since_tick_s)
-        return r
+        lag = host_lag_s + host.drift_s if host_key is None else r.host_lag_s
+        assert lag is not None
+        return r, lag
 
     def _step_runs(self, config: tuple, f: int
-                   ) -> list[tuple[tuple, Callable[..., RunResult]]]:
-        """The instruction's steps as (identity, timeline run taking the state), in order."""
+                   ) -> list[tuple[tuple, Callable[..., RunResult], HostPlan]]:
+        """The instruction's steps as (identity, timeline run taking the state and the
+        host's lag, the host's view of it), in order."""
         cached = self._plans_of_steps.get((config, f))
         if cached is not None:
             return cached
@@ -266,7 +291,7 @@ class IterationSimulator:
             steps = list(self.ps.layouts[(stage, direction)].steps)
             sms = default_sms or b.default_sms
             chosen = {k: (n, slot) for k, n, slot in knobs}
-        runs: list[tuple[tuple, Callable[..., RunResult]]] = []
+        runs: list[tuple[tuple, Callable[..., RunResult], HostPlan]] = []
         for step in steps:
             if step.kind == "partition":
                 assert step.key is not None
@@ -274,16 +299,17 @@ class IterationSimulator:
                 n, slot = chosen[step.key]
                 runs.append((("p", p.key, n, slot), partial(
                     tl.run, p.compute_ops, f, side=p.collective, side_sms=n,
-                    launch_index=p.launch_index(slot))))
+                    launch_index=p.launch_index(slot)), tl.host_plan(p.compute_ops, f, 32)))
             elif step.kind == "overlap":
                 assert step.unit is not None
                 u = step.unit
                 runs.append((("u", u.key, sms), partial(
                     tl.run, u.compute_ops, f, side=u.collective, side_sms=sms,
-                    launch_index=u.launch_index(u.slots[0].name))))
+                    launch_index=u.launch_index(u.slots[0].name)),
+                    tl.host_plan(u.compute_ops, f, 32)))
             else:
                 runs.append((("o", id(step.ops), sms), partial(
-                    tl.run, step.ops, f, blocking_sms=sms)))
+                    tl.run, step.ops, f, blocking_sms=sms), tl.host_plan(step.ops, f, sms)))
         self._plans_of_steps[(config, f)] = runs
         return runs
 
@@ -306,12 +332,16 @@ class IterationSimulator:
         reports = [StageReport(r) for r in range(pp)]
         states = [b.timeline.idle_state() for _ in range(pp)]
         free_at = [0.0] * pp
+        host_lag = [0.0] * pp  # the iteration starts from an empty queue
 
         def duration_at(iid, start: float) -> float:
             s, m, d = iid
             r, f = s % pp, plan.freq(s, m, d)
             b.timeline.rest(states[r], start - free_at[r], f)
-            costs[iid] = self._continuous(plan, iid, f, states[r], reports[r].classes)
+            # every pipeline exchange synchronises the device (batch_p2p_sync, host.py)
+            costs[iid] = self._continuous(plan, iid, f, states[r], reports[r].classes,
+                                          host_lag[r] if pp == 1 else 0.0)
+            host_lag[r] = self.host_lag_s
             free_at[r] = start + costs[iid].time_s
             return costs[iid].time_s
 

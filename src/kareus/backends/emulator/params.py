@@ -70,6 +70,22 @@ class EmulatorParams:
     number ("a couple of microseconds" per launch is anecdotal, docs/anchors.md §8): a model
     choice, varied 1-10 us by `kareus compare --sensitivity`."""
 
+    # The host issuing the kernels (host.py) --------------------------------------------------
+    host_module_s: float = 115e-6
+    """Host time of one module call (a linear's or an attention's first kernel):
+    TransformerEngine's TEColumnParallelLinear forward, 115 us (140 before TE PR 1191;
+    Megatron-Core's own ColumnParallelLinear 74 us; TP=1, BF16; docs/anchors.md §10).
+    The emulator's layer is Megatron-Core with TransformerEngine. No public figure for an
+    attention module: the Linear's (an assumption). Varied 74-140 us by --sensitivity."""
+    host_basic_op_s: float = 1e-6
+    """Host time of one memory-bound kernel (norm, RoPE, activation, residual, loss) or a
+    module's further kernel: "many basic PyTorch operations ... involve O(1 us) overhead"
+    (TE issue 2053, docs/anchors.md §10). No public per-module figure for these kinds: an
+    assumption, varied 1-13.5 us (13.5: a torch Linear's whole forward on an H100 DGX)."""
+    host_backward_scale: float = 1.0
+    """A backward kernel's host time over its forward's. No public backward figure: 1 (an
+    assumption), varied 0.5-2 by --sensitivity."""
+
     # Collectives ---------------------------------------------------------------------------
     coll_cta_busbw_bytes_s: float = 12.8e9
     """Bus bandwidth one NCCL channel (CTA) moves at max clock. Fit of the six 8-GPU A100

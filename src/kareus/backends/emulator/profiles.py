@@ -10,12 +10,14 @@ from typing import NamedTuple
 from kareus.backends.emulator.intervals import Item
 
 KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "memory", "launch_gap",
-                                   "collective_exposed")
+                                   "collective_exposed", "host_idle")
 """What an interval of a run is charged to (`RunResult.classes`): the kind of the compute
-stream's kernel; a launch gap; or a collective the compute stream waits for (a blocking one,
-or the side one outlasting the compute). A collective beside a compute kernel is hidden:
-its time is the kernel's (`RunResult.overlap_s`), its power is in the kernel's interval."""
-CLASS_OF = {"gemm": 0, "attention": 1, "memory": 2, "gap": 3, "lat": 4, "xfer": 4}
+stream's kernel; a launch gap; a collective the compute stream waits for (a blocking one,
+or the side one outlasting the compute); or the GPU waiting for the host to issue the next
+kernel (host.py). A collective beside a compute kernel is hidden: its time is the kernel's
+(`RunResult.overlap_s`), its power is in the kernel's interval."""
+CLASS_OF = {"gemm": 0, "attention": 1, "memory": 2, "gap": 3, "lat": 4, "xfer": 4,
+            "host": 5}
 EXPOSED = 4
 N_CLS = len(KERNEL_CLASSES)
 
@@ -33,6 +35,8 @@ class RunResult:
     classes: tuple[float, ...] = ()
     """Time (s) then energy (J, static included) per `KERNEL_CLASSES` entry: they add up to
     ``time_s`` and ``energy_j``. Set by `Timeline.run`; empty for steady-state averages."""
+    host_lag_s: float | None = None
+    """The host's lag at the end (host.py), for a run given the lag at its start."""
 
 
 class Streams(NamedTuple):

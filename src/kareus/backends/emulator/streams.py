@@ -1,6 +1,7 @@
 """One run of items on a GPU's two streams, under the power limiter (docs/emulator.md).
 
-The compute stream runs its items in order (each compute kernel preceded by a launch gap;
+The compute stream runs its items in order (each compute kernel preceded by a launch gap,
+and by a wait for the host that issues it where a run is given the host's lag, host.py;
 a collective placed on the compute stream blocks it, as in Megatron-LM). At most one
 collective runs on the communication stream, launched when the compute stream reaches a
 given item (its latency phase first, then the transfer). Every start and end of an item
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
+from kareus.backends.emulator.host import HostCosts, HostPlan
 from kareus.backends.emulator.intervals import Intervals, Item
 from kareus.backends.emulator.limiter import LimiterState, PowerLimiter
 from kareus.backends.emulator.physics import GPUPhysics
@@ -57,6 +60,8 @@ class StreamRunner(Intervals):
         self.limiter = PowerLimiter(tdp_w, tau, self._table) if tau > 0 else None
         self._profiles: dict[tuple, RunProfile] = {}
         self._streams: dict[tuple, Streams] = {}
+        self.host = HostCosts.of(physics.p)
+        self._host_plans: dict[tuple, HostPlan] = {}
 
     def idle_state(self) -> LimiterState:
         """A GPU that has been idle: averaged power at static, no clock held back."""
@@ -64,27 +69,54 @@ class StreamRunner(Intervals):
 
     # Items ----------------------------------------------------------------------------------
 
-    def stream_items(self, ops: Sequence[Op]) -> list[list[Item]]:
-        """Per op, the items it puts on the compute stream."""
+    def stream_items(self, ops: Sequence[Op], waits: Sequence[float] | None = None
+                     ) -> list[list[Item]]:
+        """Per op, the items it puts on the compute stream; ``waits``: per op, the time
+        the GPU waits for the host to issue it (host.py)."""
         out: list[list[Item]] = []
         overhead = self.ph.p.launch_overhead_s
-        for op in ops:
+        for i, op in enumerate(ops):
+            items: list[Item] = []
+            if waits is not None and waits[i] > 0:
+                items.append(("host", waits[i]))
             if isinstance(op, Collective):
-                out.append(self.collective_items(op))
+                items += self.collective_items(op)
             else:
                 kernels = max(1, len(op.gemm_shapes))
-                out.append([("gap", overhead * kernels), ("op", op)])
+                items += [("gap", overhead * kernels), ("op", op)]
+            out.append(items)
         return out
+
+    def host_plan(self, ops: Sequence[Op], f: float, blocking_sms: int) -> HostPlan:
+        """The ops' issue times and the GPU's time for each op's items at clock ``f``, the
+        compute stream alone (cached)."""
+        key = (tuple(ops), f, blocking_sms)
+        plan = self._host_plans.get(key)
+        if plan is None:
+            throttle = self.limiter is None
+            gpu = []
+            for items in self.stream_items(ops):
+                d = 0.0
+                for item in items:
+                    d += (item[1] if item[0] in ("gap", "lat") else
+                          self._interval(item, None, f, 0, blocking_sms, throttle)[0])
+                gpu.append(d)
+            plan = HostPlan.of(tuple(self.host.issue_s(op) for op in ops), tuple(gpu))
+            self._host_plans[key] = plan
+            if len(self._host_plans) > self.MAX_PROFILES:
+                del self._host_plans[next(iter(self._host_plans))]
+        return plan
 
     def collective_items(self, coll: Collective) -> list[Item]:
         return [("lat", self.ph.coll_latency(coll)), ("xfer", coll)]
 
-    def streams(self, ops: Sequence[Op], side: Collective | None, launch_index: int | None
-                ) -> Streams:
-        """``side`` launched before ``ops[launch_index]`` (None: after the last op)."""
+    def streams(self, ops: Sequence[Op], side: Collective | None, launch_index: int | None,
+                waits: Sequence[float] | None = None) -> Streams:
+        """``side`` launched before ``ops[launch_index]`` (None: after the last op), when
+        the compute stream reaches that op (after its wait for the host, if any)."""
         main: list[Item] = []
         launch_at = -1
-        for i, items in enumerate(self.stream_items(ops)):
+        for i, items in enumerate(self.stream_items(ops, waits)):
             if side is not None and i == launch_index:
                 launch_at = len(main)
             main += items
@@ -98,43 +130,58 @@ class StreamRunner(Intervals):
 
     def run(self, ops: Sequence[Op], freq_mhz: int, side: Collective | None = None,
             side_sms: int = 0, launch_index: int | None = None, blocking_sms: int = 32,
-            state: LimiterState | None = None) -> RunResult:
+            state: LimiterState | None = None, host_lag_s: float | None = None
+            ) -> RunResult:
         """Run ``ops`` on the compute stream at ``freq_mhz``; optionally ``side`` on the
         communication stream with ``side_sms`` SMs, launched before ``ops[launch_index]``
         (``len(ops)`` or None: after the last op). Collectives inside ``ops`` block the
         compute stream and use ``blocking_sms`` SMs. ``state``: the limiter's memory,
-        carried in and updated (None: a GPU that has been idle)."""
-        key = (tuple(ops), side, side_sms, launch_index, blocking_sms)
+        carried in and updated (None: a GPU that has been idle). ``host_lag_s``: the
+        host's lag at the start (host.py; 0 right after a sync), the result then carrying
+        the lag at the end; None: a host far ahead (a measurement loop)."""
+        waits = None
+        if host_lag_s is not None:
+            waits, lag_out = self.host_plan(ops, float(freq_mhz), blocking_sms).waits(
+                host_lag_s)
+        key = (tuple(ops), side, side_sms, launch_index, blocking_sms, waits)
         if self.limiter is None:  # memoryless: every interval throttled on its own
-            return self.profile(key, float(freq_mhz)).result
-        st = state if state is not None else self.idle_state()
-        return self._run_limited(key, float(freq_mhz), st)
+            r = self.profile(key, float(freq_mhz)).result
+        else:
+            st = state if state is not None else self.idle_state()
+            r = self._run_limited(key, float(freq_mhz), st)
+        return r if host_lag_s is None else replace(r, host_lag_s=lag_out)
 
     def run_stepwise(self, ops: Sequence[Op], freq_mhz: int, side: Collective | None = None,
                      side_sms: int = 0, launch_index: int | None = None,
-                     blocking_sms: int = 32, state: LimiterState | None = None) -> RunResult:
+                     blocking_sms: int = 32, state: LimiterState | None = None,
+                     host_lag_s: float | None = None) -> RunResult:
         """`run` simulated interval by interval, ticks included, without profiles: the
         reference that `run` must match to round-off (tests)."""
         st = state if state is not None else self.idle_state()
+        waits = None
+        if host_lag_s is not None:
+            waits, lag_out = self.host_plan(ops, float(freq_mhz), blocking_sms).waits(
+                host_lag_s)
         acc = [0.0] * (5 + 2 * N_CLS)
-        for _ in self._intervals(self.streams(ops, side, launch_index), float(freq_mhz),
-                                 side_sms, blocking_sms,
+        for _ in self._intervals(self.streams(ops, side, launch_index, waits),
+                                 float(freq_mhz), side_sms, blocking_sms,
                                  st if self.limiter is not None else None, START, acc):
             pass
-        return result_of(acc)
+        r = result_of(acc)
+        return r if host_lag_s is None else replace(r, host_lag_s=lag_out)
 
     # Profiles -------------------------------------------------------------------------------
 
     def profile(self, key: tuple, clock_mhz: float) -> RunProfile:
-        """The run ``key`` = (ops, side, side SMs, launch index, blocking SMs) at a constant
-        clock, from its start (cached)."""
+        """The run ``key`` = (ops, side, side SMs, launch index, blocking SMs, waits for the
+        host) at a constant clock, from its start (cached)."""
         prof = self._profiles.get((key, clock_mhz))
         if prof is not None:
             return prof
-        ops, side, side_sms, launch_index, blocking_sms = key
+        ops, side, side_sms, launch_index, blocking_sms, waits = key
         sc = self._streams.get(key)
         if sc is None:
-            sc = self._streams[key] = self.streams(ops, side, launch_index)
+            sc = self._streams[key] = self.streams(ops, side, launch_index, waits)
             if len(self._streams) > self.MAX_PROFILES:
                 del self._streams[next(iter(self._streams))]
         acc = [0.0] * (5 + 2 * N_CLS)

@@ -80,7 +80,7 @@ class Timeline(StreamRunner):
         if lim is None:
             return run(*args)
         at_set = None if reference else self.profile(
-            (tuple(ops), side, side_sms, launch_index, blocking_sms), float(freq_mhz))
+            (tuple(ops), side, side_sms, launch_index, blocking_sms, None), float(freq_mhz))
         # from an idle GPU (cap above the set clock) the first run is the profile at the
         # set clock unless its average crosses the limit on the way
         if at_set is not None and self._stays_under(at_set, self.static_power_w):
