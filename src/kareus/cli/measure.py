@@ -163,6 +163,7 @@ def simulate(
 BREAKDOWN_LABELS = {
     "gemm": "GEMM", "attention": "attention", "memory": "memory-bound kernels",
     "launch_gap": "launch gaps", "collective_exposed": "collectives, exposed",
+    "dropout": "dropout (hidden)", "grad_accumulation": "gradient accumulation (unfused)",
     "transfers": "pipeline transfers (sending)",
     "iteration_end": "data-parallel sync, optimizer step",
     "pipeline_wait": "pipeline bubbles and waits"}
