@@ -33,28 +33,28 @@ class TrainingSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     hidden_dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="dropout probability of each block's output "
+        default=0.0, ge=0.0, lt=1.0, description="dropout probability of each block's output "
         "(in the bias-dropout-add) and of the embedding's output")
     attention_dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="dropout probability inside the attention "
+        default=0.0, ge=0.0, lt=1.0, description="dropout probability inside the attention "
         "(flash attention's kernel): its cost is not modelled (docs/workload.md)")
     bias_dropout_fusion: bool = Field(
-        True, description="the dropout runs inside the residual add's kernel (alias "
+        default=True, description="the dropout runs inside the residual add's kernel (alias "
         "bias_dropout_add_fusion); normalised to true without hidden dropout (the same kernel)")
     gradient_accumulation_fusion: bool = Field(
-        True, description="the weight-gradient GEMM accumulates into the fp32 main gradient; "
-        "false: it writes a bf16 gradient that a separate kernel adds to the main gradient")
+        default=True, description="the weight-gradient GEMM accumulates into the fp32 main "
+        "gradient; false: it writes a bf16 gradient that a separate kernel adds to it")
     apply_rope_fusion: bool = Field(
-        True, description="rotary embedding in one kernel per tensor; false: Megatron-Core's "
-        "unfused path (negate, concatenate, two multiplies, add, concatenate)")
+        default=True, description="rotary embedding in one kernel per tensor; false: "
+        "Megatron-Core's unfused path (negate, concatenate, two multiplies, add, concatenate)")
     bias_activation_fusion: bool = Field(
-        True, description="SwiGLU in one kernel (alias bias_swiglu_fusion); false: SiLU "
+        default=True, description="SwiGLU in one kernel (alias bias_swiglu_fusion); false: SiLU "
         "then a multiply")
     cross_entropy_loss_fusion: bool = Field(
-        False, description="the loss's fused kernels (cross_entropy_fusion_impl); false: "
-        "Megatron-Core's unfused vocab-parallel cross-entropy")
+        default=False, description="the loss's fused kernels (cross_entropy_fusion_impl); "
+        "false: Megatron-Core's unfused vocab-parallel cross-entropy")
     cross_entropy_fusion_impl: CrossEntropyImpl = Field(
-        "native", description="'native' (Megatron-Core's fused_cross_entropy.py) or 'te' "
+        default="native", description="'native' (Megatron-Core's fused_cross_entropy.py) or 'te' "
         "(Transformer Engine's); normalised to 'native' without cross_entropy_loss_fusion")
 
     @model_validator(mode="before")

@@ -149,7 +149,6 @@ def weight_grad_end(ops: Sequence[Op], i: int) -> int:
     """Where the run from ``ops[i]`` through the adds to the main gradient after it ends
     (``i + 1`` when none follows): a weight gradient GEMM and its accumulation."""
     j = i + 1
-    while (j < len(ops) and isinstance(ops[j], ComputeOp)
-           and ops[j].breakdown == "grad_accumulation"):
+    while j < len(ops) and getattr(ops[j], "breakdown", "") == "grad_accumulation":
         j += 1
     return j
