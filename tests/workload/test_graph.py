@@ -5,7 +5,6 @@ from kareus.job.sources import build_job
 from kareus.workload.graph import ExecutionGraph, layer_params, mfu, model_flops_per_token
 from kareus.workload.ops import Collective
 
-
 # kareus-1 at the default training settings (the layer as Kareus built it before them;
 # the artifact's, which the preset now takes, are tested in tests/workload/test_training_ops.py)
 DEFAULTS = {"training": {}}

@@ -5,7 +5,6 @@ from kareus.job.sources import build_job
 from kareus.workload.partition import make_slots
 from kareus.workload.workload import Workload
 
-
 # kareus-1 at the default training settings (the layer as Kareus built it before them;
 # the artifact's, which the preset now takes, are tested in tests/workload/test_training_ops.py)
 DEFAULTS = {"training": {}}
