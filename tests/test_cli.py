@@ -193,7 +193,8 @@ def test_simulate_breakdown_adds_up(cli):
     assert len(doc["breakdown"]) == 2
     for stage in doc["breakdown"]:
         assert {"gemm", "attention", "memory", "launch_gap", "collective_exposed",
-                "host_idle", "transfers", "iteration_end", "pipeline_wait"} == set(stage)
+                "host_idle", "dropout", "grad_accumulation",
+                "transfers", "iteration_end", "pipeline_wait"} == set(stage)
         assert sum(v["time_s"] for v in stage.values()) == pytest.approx(doc["time_s"])
     assert "breakdown" not in cli("simulate", "-p", "kareus-1", "--json").json()
     text = cli("simulate", "-p", "kareus-1", "--breakdown")

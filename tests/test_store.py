@@ -134,10 +134,11 @@ def test_job_id_is_the_jobs_content_not_how_it_was_built():
 
 def test_cp_comm_type_keeps_allgather_ids_and_separates_p2p_jobs():
     # ids of jobs journaled before the field existed (computed by the code of that time)
-    # (on the node they ran on then: the paper presets name p4d.24xlarge since issue 38)
-    old_node = {"node": "DGX-A100"}
-    assert job_id(build_job("kareus-1", overrides=old_node)) == "69d84e5d61d95f4a"
-    assert job_id(build_job("kareus-2", overrides=old_node)) == "f7e5657442fbc6f1"
+    # (on the node they ran on then, at the default training settings: the paper presets
+    # name p4d.24xlarge and take the artifact's settings since issue 38)
+    old = {"node": "DGX-A100", "training": {}}
+    assert job_id(build_job("kareus-1", overrides=old)) == "69d84e5d61d95f4a"
+    assert job_id(build_job("kareus-2", overrides=old)) == "f7e5657442fbc6f1"
     # a p2p job's measurements are its own: never reused for the allgather job
     p2p = build_job("kareus-2", overrides={"cp_comm_type": "p2p"})
     assert job_id(p2p) != job_id(build_job("kareus-2"))

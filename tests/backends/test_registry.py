@@ -69,8 +69,12 @@ def toy(monkeypatch):
 
 
 def test_a_registered_toy_backend_runs_optimize(toy, tmp_path):
-    args = ("-p", "kareus-1", "--freqs", "1410,1200", "--microbatches", "4", "--budget",
-            "20", "--workers", "1", "--json")
+    # kareus-1 at the default training settings: with the artifact's, an instruction's
+    # wait transient (measure_transient, which the toy does not double) enters its time
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("training: {}\n")
+    args = ("-p", "kareus-1", "-c", str(job_file), "--freqs", "1410,1200", "--microbatches",
+            "4", "--budget", "20", "--workers", "1", "--json")
     r = run_cli("optimize", *args, "--backend", "toy", "--out", str(tmp_path / "toy"))
     assert r.code == 0, r.err
     e = run_cli("optimize", *args, "--out", str(tmp_path / "emu"))

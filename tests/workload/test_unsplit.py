@@ -10,7 +10,7 @@ from kareus.job.sources import build_job
 from kareus.workload.partition import PartitionSet
 from kareus.workload.workload import Workload
 
-SMALL = {"num_microbatches": 4}
+SMALL = {"num_microbatches": 4, "training": {}}  # the default training settings
 
 
 def _ps(**overrides) -> PartitionSet:

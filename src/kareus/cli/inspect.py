@@ -146,6 +146,8 @@ def graph(job: JobSpec, json_out: JsonFlag = False) -> None:
             elif op.ring_step_bytes:  # p2p CP: the ring inside the attention op
                 extra = (f"cp{job.cp} ring: {len(op.ring_step_bytes)} steps, "
                          f"{_mib(sum(op.ring_step_bytes))} MiB sent")
+            elif op.fused:  # e.g. dropout's mask in the residual add's kernel
+                extra = "in the previous op's kernel"
             else:
                 extra = " + ".join("x".join(map(str, s)) for s in op.gemm_shapes)
             table.add_row(op.name, op.kind, _gflop(op.flops), _mib(op.bytes_), extra)

@@ -3,11 +3,12 @@
 Model shapes are the public Hugging Face configs (docs/anchors.md §5). Job presets `kareus-1` ...
 `kareus-10` are the ten workloads evaluated in the Kareus paper, in the order docs/anchors.md §4
 lists them: A100 SXM4 40GB, 2 AWS p4d.24xlarge nodes x 8 GPUs, PP=2 with 15/13 layers,
-8 microbatches, bf16, no sequence parallelism, full uniform activation recompute.
-`llama3.1-8b-h100-mbs1` and `llama3.3-70b-h100-mbs1` are micro-batch 1 (the sequence split)
-as close to NVIDIA's public dgxc-benchmarking Llama 3.1 rows (docs/anchors.md §8) as Kareus
-runs: the comments below say how each differs and why (`kareus compare --suite mbs1`,
-docs/comparison.md).
+8 microbatches, bf16, no sequence parallelism, full uniform activation recompute, the
+artifact's training settings (`ARTIFACT_TRAINING`: hidden dropout 0.1, unfused gradient
+accumulation, Transformer Engine's fused cross-entropy). `llama3.1-8b-h100-mbs1` and
+`llama3.3-70b-h100-mbs1` are micro-batch 1 (the sequence split) as close to NVIDIA's public
+dgxc-benchmarking Llama 3.1 rows (docs/anchors.md §8) as Kareus runs: the comments below say
+how each differs and why (`kareus compare --suite mbs1`, docs/comparison.md).
 """
 
 from __future__ import annotations
@@ -71,8 +72,23 @@ _PAPER_CLUSTER: dict[str, Any] = dict(
 )
 
 
+ARTIFACT_TRAINING: dict[str, Any] = dict(
+    hidden_dropout=0.1,
+    attention_dropout=0.0,
+    bias_dropout_fusion=True,
+    gradient_accumulation_fusion=False,
+    apply_rope_fusion=True,
+    bias_activation_fusion=True,
+    cross_entropy_loss_fusion=True,
+    cross_entropy_fusion_impl="te",
+)
+"""The training settings of the Kareus artifact's Megatron config (docs/anchors.md §4:
+tests/artifact/conf/megatron_llama3.2_3b_config.yaml; it writes bias_dropout_add_fusion)."""
+
+
 def _paper_job(model: str, tp: int, cp: int, mbs: int, seq: int) -> dict[str, Any]:
-    return dict(_PAPER_CLUSTER, model=model, tp=tp, cp=cp, micro_batch_size=mbs, seq_length=seq)
+    return dict(_PAPER_CLUSTER, model=model, tp=tp, cp=cp, micro_batch_size=mbs, seq_length=seq,
+                training=ARTIFACT_TRAINING)
 
 
 JOB_PRESETS: dict[str, dict[str, Any]] = {

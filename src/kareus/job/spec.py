@@ -16,6 +16,7 @@ from kareus.errors import SpecError
 from kareus.job import nanobatch
 from kareus.job.hardware import GPUSpec, NodeSpec, check_node, get_gpu, node_of
 from kareus.job.nanobatch import NanobatchSplit
+from kareus.job.training import TrainingSettings, misplaced
 from kareus.job.validation import first_error_line
 
 BYTES_PER_ELEMENT = 2  # bf16 activations, weights and gradients (docs/anchors.md §4)
@@ -146,6 +147,15 @@ class JobSpec(BaseModel):
     sm_choices_gather_scatter: tuple[int, ...] = Field(DEFAULT_SM_CHOICES_GATHER_SCATTER,
                                                        max_length=MAX_KNOB_CHOICES)
     search_freqs_mhz: tuple[int, ...] | None = Field(None, max_length=MAX_KNOB_CHOICES)
+    training: TrainingSettings = Field(default_factory=TrainingSettings, description="the "
+                                       "settings that change the kernels (kareus.job.training)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _training_in_its_section(cls, data: Any) -> Any:
+        if (problem := misplaced(data)) is not None:
+            raise ValueError(problem)
+        return data
 
     @field_validator("cp_comm_type", mode="before")
     @classmethod
@@ -385,6 +395,7 @@ class JobSpec(BaseModel):
         ]
         if self.kv_heads_replicated:
             parts.append(f"KV heads replicated x{self.tp // m.num_kv_heads}")
+        parts += [t for t in (self.training.describe(),) if t]
         return ", ".join(parts)
 
 

@@ -51,9 +51,10 @@ _NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stor
 def job_id(job: JobSpec) -> str:
     """A stable identity of the job: hash of its canonical JSON (without
     ``virtual_pipeline`` when it is 1, ``cp_comm_type`` when it is ``allgather`` nor
-    ``nanobatch_split`` when it is the job's default nor ``node`` when it is None, the GPU's
-    default node, so that jobs journaled before those fields existed keep their id; a
-    ``p2p`` job's id differs, and so do its measurements)."""
+    ``nanobatch_split`` when it is the job's default, nor ``node`` when it is None (the
+    GPU's default node), nor the ``training`` settings at their defaults, so that jobs
+    journaled before those fields existed keep their id; a ``p2p`` job's id differs, and so
+    do its measurements)."""
     doc = job.model_dump(mode="json")
     if doc.get("nanobatch_split") == default_split(job):
         del doc["nanobatch_split"]
@@ -63,6 +64,11 @@ def job_id(job: JobSpec) -> str:
         del doc["cp_comm_type"]
     if doc.get("node", "") is None:
         del doc["node"]
+    # the training settings (kareus.job.training): only those that differ from the defaults
+    if training := job.training.non_default():
+        doc["training"] = training
+    else:
+        del doc["training"]
     text = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -13,13 +13,14 @@ from functools import cached_property
 
 from kareus.job.spec import BYTES_PER_ELEMENT as E
 from kareus.job.spec import JobSpec
+from kareus.workload import training_ops as train
 from kareus.workload.layer import (
     backward_ops,
     forward_ops,
     gemm,
-    linear_backward,
     memory_backward,
     memory_op,
+    weight_linear_backward,
 )
 from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, Op, Segment
 
@@ -242,18 +243,6 @@ def layer_params(job: JobSpec) -> int:
     return attn + mlp + norms
 
 
-def _cross_entropy(logits: int) -> tuple[ComputeOp, ComputeOp]:
-    """Megatron-Core's vocab-parallel cross-entropy (`tensor_parallel/cross_entropy.py`,
-    the unfused path) as the passes it makes over one rank's logits, bytes per logit:
-    forward: cast to fp32 (2 read + 4 written), max (4), subtract the max in place (8),
-    exp in place (8), sum (4), divide by the sum in place (8) = 38; backward: scale the
-    saved softmax by the loss gradient in place (8), cast to bf16 for the LM head's
-    backward GEMMs (6) = 14 (the target logit's one-hot update touches one entry per row)."""
-    fwd = memory_op("cross_entropy", "other", 5 * logits, 38 * logits)
-    bwd = memory_op("cross_entropy_bwd", "other", 2 * logits, 14 * logits)
-    return fwd, bwd
-
-
 def _optimizer_step(params: int, shards: int) -> ComputeOp:
     """Megatron's mixed-precision Adam over one rank's parameters, bytes per parameter. With
     bf16, Megatron-LM accumulates and reduces gradients in fp32 (its arguments.py forces
@@ -298,8 +287,13 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         # vocab-parallel embedding: each rank looks up its rows, then the partial sums reduce
         emb = memory_op("embedding", "other", 0, 2 * tokens * h * E)
         fwd_pre += [emb, Collective("embedding_ar", tp_out_kind, "tp", job.tp, act_bytes)]
+        # its dropout, after the reduction (on the rank's shard of the tokens with SP)
+        drop, drop_bwd = train.embedding_dropout(
+            job, tokens * h // (job.tp if job.sequence_parallel else 1))
+        fwd_pre += drop
         # backward: scatter-add of the output gradient into the embedding rows
-        bwd_post.append(memory_op("embedding_bwd", "other", tokens * h, 3 * tokens * h * E))
+        bwd_post += [*drop_bwd,
+                     memory_op("embedding_bwd", "other", tokens * h, 3 * tokens * h * E)]
         params += vocab_local * h
     send_grad = None if first else Collective("send_grad", "send_recv", "pp", 2, p2p_bytes,
                                               crosses_nodes=_send_crosses_nodes(job, index - 1))
@@ -307,7 +301,7 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         norm = memory_op("final_norm", "norm", 4 * tokens * h, (2 * tokens * h + h) * E)
         head = gemm("lm_head", tokens, vocab_local, h)
         logits = tokens * vocab_local
-        loss, loss_bwd = _cross_entropy(logits)
+        loss, loss_bwd = train.cross_entropy_ops(job, logits)
         stats = Collective("loss_ar", "all_reduce", "tp", job.tp, float(3 * tokens * 4))
         fwd_post += [norm]
         if job.sequence_parallel:
@@ -315,7 +309,7 @@ def _stage(job: JobSpec, index: int) -> StageGraph:
         fwd_post += [head, loss, stats]
         bwd_pre += [
             loss_bwd,
-            *linear_backward(head),
+            *weight_linear_backward(job, head),
             Collective("lm_head_grad_ar", tp_out_kind, "tp", job.tp, act_bytes,
                        overlaps_weight_grad=True),
             memory_backward(norm),

@@ -26,6 +26,7 @@ from typing import Any
 
 from kareus.job.spec import BYTES_PER_ELEMENT as E
 from kareus.job.spec import JobSpec
+from kareus.workload import training_ops as train
 from kareus.workload.ops import Collective, CollectiveKind, ComputeOp, GemmShape, Op
 
 
@@ -53,6 +54,13 @@ def linear_backward(fwd: ComputeOp) -> tuple[ComputeOp, ComputeOp]:
                          float(a * c + c * b + a * b) * E, "linear", (shape,), opens)
 
     return op("dgrad", dgrad, True), op("wgrad", wgrad, False)
+
+
+def weight_linear_backward(job: JobSpec, fwd: ComputeOp) -> list[ComputeOp]:
+    """A linear's backward GEMMs and, where gradient accumulation is not fused, the kernel
+    adding the weight gradient to the main gradient (`training_ops.grad_accumulation`)."""
+    dgrad, wgrad = linear_backward(fwd)
+    return [dgrad, wgrad, *train.grad_accumulation(job, wgrad)]
 
 
 def memory_op(name: str, slot_class, flops: float, bytes_: float) -> ComputeOp:
@@ -217,8 +225,10 @@ def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0) 
     t, h, d = sh.tokens, sh.h, sh.d
     qk_elems = t * (sh.heads + sh.kv_heads) * d
 
+    residual_elems = sh.norm_tokens * h  # a block's output, dropped out in the residual add
     ops: list[Op] = [
-        _residual_add("residual_mlp", sh.norm_tokens, h),
+        *train.with_dropout(job, _residual_add("residual_mlp", sh.norm_tokens, h), "mlp",
+                            residual_elems),
         _rmsnorm("input_norm", sh.norm_tokens, h),
     ]
     if sp:
@@ -226,23 +236,22 @@ def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0) 
     ops.append(gemm("qkv", t, (sh.heads + 2 * sh.kv_heads) * d, h))
     if job.model.qk_norm:
         ops.append(memory_op("qk_norm", "rope", 4 * qk_elems, 2 * qk_elems * E))
-    # rotary: two multiplies and an add per element of q and k; cos/sin tables are tiny
-    ops.append(memory_op("rope", "rope", 3 * qk_elems, 2 * qk_elems * E))
+    ops += train.rope(job, t * sh.heads * d, t * sh.kv_heads * d)
     if cp:
         ops.append(_cp_gather(job, "kv_ag", "qkv", sh))
     ops += attention_ops(job, sh)
     ops.append(gemm("out_proj", t, h, sh.heads * d))
     ops.append(_tp_closing(job, "attn_ar" if not sp else "attn_rs", "ao" if cp else "attn", sh))
     ops += [
-        _residual_add("residual_attn", sh.norm_tokens, h),
+        *train.with_dropout(job, _residual_add("residual_attn", sh.norm_tokens, h), "attn",
+                            residual_elems),
         _rmsnorm("pre_mlp_norm", sh.norm_tokens, h),
     ]
     if sp:
         ops.append(_sp_gather(job, "ln2_ag", "ln2", sh))
     ops += [
         gemm("fc1", t, 2 * sh.ffn, h),
-        # SwiGLU: silu(gate) * up, ~5 FLOPs per output; read gate and up, write one
-        memory_op("swiglu", "activation", 5 * t * sh.ffn, 3 * t * sh.ffn * E),
+        *train.swiglu(job, t * sh.ffn),
         gemm("fc2", t, h, sh.ffn),
         _tp_closing(job, "mlp_ar" if not sp else "mlp_rs", "mlp", sh),
     ]
@@ -265,23 +274,26 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
         return Collective(name, in_grad_kind, "tp", job.tp, sh.activation_bytes, closes,
                           overlaps_weight_grad=True)
 
+    residual_elems = sh.norm_tokens * sh.h
     ops: list[Op] = [
         memory_backward(f["input_norm"]),
         memory_backward(f["residual_mlp"]),  # the residual branch's gradient accumulation
+        *train.dropout_backward(job, "mlp", residual_elems),
     ]
     if sp:
         ops.append(_sp_gather(job, "mlp_out_grad_ag", "ln1", sh))
     ops += [
-        *linear_backward(f["fc2"]),
-        memory_backward(f["swiglu"]),
-        *linear_backward(f["fc1"]),
+        *weight_linear_backward(job, f["fc2"]),
+        *[memory_backward(op) for op in reversed(f.values()) if op.slot_class == "activation"],
+        *weight_linear_backward(job, f["fc1"]),
         grad_in("fc1_grad_ar" if not sp else "fc1_grad_rs", "mlp"),
         memory_backward(f["pre_mlp_norm"]),
         memory_backward(f["residual_attn"]),
+        *train.dropout_backward(job, "attn", residual_elems),
     ]
     if sp:
         ops.append(_sp_gather(job, "attn_out_grad_ag", "ln2", sh))
-    ops += linear_backward(f["out_proj"])
+    ops += weight_linear_backward(job, f["out_proj"])
     if cp:
         # K and V are gathered again for the attention backward (all-gather mode keeps only
         # the local shard), and dK, dV are reduce-scattered back to their owners.
@@ -294,11 +306,12 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
             for a in (op for op in f.values() if op.kind == "attention")]
     if cp:
         ops.append(_cp_scatter(job, "dkv_rs", "a", sh))
-    ops.append(memory_backward(f["rope"]))
+    ops += [memory_backward(op) for op in reversed(f.values())
+            if op.slot_class == "rope" and op.name != "qk_norm"]
     if "qk_norm" in f:
         ops.append(memory_backward(f["qk_norm"]))
     ops += [
-        *linear_backward(f["qkv"]),
+        *weight_linear_backward(job, f["qkv"]),
         grad_in("qkv_grad_ar" if not sp else "qkv_grad_rs", "qkv" if cp else "attn"),
     ]
     return ops

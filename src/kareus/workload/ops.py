@@ -13,6 +13,9 @@ ComputeKind = Literal["gemm", "attention", "memory"]
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 Group = Literal["tp", "cp", "pp", "dp"]
 SlotClass = Literal["norm", "rope", "activation", "linear", "attn", "other"]
+BreakdownRow = Literal["", "dropout", "grad_accumulation"]
+"""Where `kareus simulate --breakdown` charges an op's time, when not to its kind's row:
+the ops the job's training settings add (`kareus.job.training`)."""
 
 GemmShape = tuple[int, int, int]
 """(m, n, k): output m x n, reduction length k; FLOPs = 2 m n k."""
@@ -46,8 +49,17 @@ class ComputeOp:
     bytes one rank sends to its neighbour (and receives) while that step computes; the
     op's work splits evenly over the steps (0 bytes: a step with nothing in flight).
     Empty: no communication inside the op."""
+    fused: bool = False
+    """The op runs inside the previous op's kernel (the extra work a fusion adds to it,
+    e.g. a dropout's mask in the residual add): no launch of its own, its time and bytes
+    the kernel's extra ones. Its ``opens_slot`` is False."""
+    breakdown: BreakdownRow = ""
+    """The breakdown row its time goes to (`BreakdownRow`; '': its kind's)."""
 
     def __post_init__(self) -> None:
+        if self.fused and self.opens_slot:
+            raise ValueError(f"fused op {self.name!r} runs in the previous kernel: it cannot "
+                             f"open a launch slot")
         if self.kind == "attention" and self.attn_keys < 1:
             raise ValueError(f"attention op {self.name!r} needs attn_keys (the keys a query "
                              f"row attends to), got {self.attn_keys}")
@@ -64,6 +76,8 @@ class ComputeOp:
             d["attn_keys"], d["attn_causal"] = self.attn_keys, self.attn_causal
         if self.ring_step_bytes:
             d["ring_step_bytes"] = list(self.ring_step_bytes)
+        if self.fused:  # only where set: the signatures of older ops stay as they were
+            d["fused"] = True
         return d
 
 

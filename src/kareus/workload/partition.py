@@ -45,6 +45,7 @@ from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph, StageGraph, differing_segments, interleave
 from kareus.workload.layer import backward_ops, forward_ops
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
+from kareus.workload.training_ops import weight_grad_end
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,8 @@ def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = Fa
                    ) -> list[Step]:
     """Ops as Megatron-LM runs them: back to back, every collective blocking the compute
     stream, except an input-gradient collective (`overlaps_weight_grad`), issued after its
-    data gradient GEMM and run beside the weight gradient GEMM (an "overlap" step).
-    ``one_step_per_op``: each op its own step (ops outside the layers)."""
+    data gradient GEMM and run beside the weight gradient GEMM and its unfused gradient
+    accumulation (an "overlap" step). ``one_step_per_op``: each op its own step (outside)."""
     steps: list[Step] = []
     run: list[Op] = []
 
@@ -157,12 +158,14 @@ def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = Fa
 
     i = 0
     while i < len(ops):
-        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        j = weight_grad_end(ops, i)  # a weight gradient with its adds to the main gradient
+        op, nxt = ops[i], (ops[j] if j < len(ops) else None)
         if (isinstance(op, ComputeOp) and not op.opens_slot and isinstance(nxt, Collective)
                 and nxt.overlaps_weight_grad):
             flush()
-            steps.append(Step("overlap", (op, nxt), None, _overlap_unit(op, nxt, direction)))
-            i += 2
+            w = tuple(o for o in ops[i:j] if isinstance(o, ComputeOp))
+            steps.append(Step("overlap", (*w, nxt), None, _overlap_unit(w, nxt, direction)))
+            i = j + 1
             continue
         run.append(op)
         i += 1
@@ -170,10 +173,10 @@ def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = Fa
     return steps
 
 
-def _overlap_unit(wgrad: ComputeOp, coll: Collective, direction: str) -> Partition:
-    return Partition(key=f"overlap_{wgrad.name}_{coll.name}", direction=direction,
-                     segment=wgrad.name, compute_ops=(wgrad,), collective=coll,
-                     slots=make_slots((wgrad,)), sm_choices=(), count_per_layer=0,
+def _overlap_unit(compute: tuple[ComputeOp, ...], coll: Collective, direction: str) -> Partition:
+    return Partition(key=f"overlap_{compute[0].name}_{coll.name}", direction=direction,
+                     segment=compute[0].name, compute_ops=compute, collective=coll,
+                     slots=make_slots(compute), sm_choices=(), count_per_layer=0,
                      count_forward=(), count_backward=())
 
 

@@ -59,8 +59,10 @@ class HostCosts:
         attention chunk: one basic op each); a memory-bound kernel (norm, RoPE,
         activation, residual, loss): one basic op; a collective: nothing of its own
         (called inside its module, whose time counts it). A backward kernel: times
-        ``backward_scale``. A recomputed forward is forward ops again, issued again."""
-        if not isinstance(op, ComputeOp):
+        ``backward_scale``. A recomputed forward is forward ops again, issued again. An op
+        fused into the previous kernel (`ComputeOp.fused`: the fused dropout mask) issues
+        nothing of its own."""
+        if not isinstance(op, ComputeOp) or op.fused:
             return 0.0
         module = (op.kind in ("gemm", "attention") and op.opens_slot) or op.name in MODULE_OPS
         t = self.module_s if module else self.basic_op_s

@@ -80,7 +80,8 @@ class IterationResult:
     def breakdown(self) -> list[dict[str, dict[str, float]]]:
         """Per stage, one GPU's iteration split by where its time goes: ``{class: {"time_s",
         "energy_j"}}``. Classes: `KERNEL_CLASSES` (compute kernels by kind, launch gaps,
-        exposed collectives; hidden collectives are inside their compute kernel's time),
+        exposed collectives; hidden collectives are inside their compute kernel's time;
+        dropout and unfused gradient accumulation, the training settings' ops),
         then ``transfers`` (its sends), ``iteration_end`` (data-parallel sync, optimizer
         step) and ``pipeline_wait`` (bubbles and waits for the neighbours' transfers, at
         static power).

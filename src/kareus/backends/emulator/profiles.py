@@ -10,14 +10,17 @@ from typing import NamedTuple
 from kareus.backends.emulator.intervals import Item
 
 KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "memory", "launch_gap",
-                                   "collective_exposed", "host_idle")
+                                   "collective_exposed", "host_idle", "dropout",
+                                   "grad_accumulation")
 """What an interval of a run is charged to (`RunResult.classes`): the kind of the compute
 stream's kernel; a launch gap; a collective the compute stream waits for (a blocking one,
 or the side one outlasting the compute); or the GPU waiting for the host to issue the next
 kernel (host.py). A collective beside a compute kernel is hidden: its time is the kernel's
-(`RunResult.overlap_s`), its power is in the kernel's interval."""
+(`RunResult.overlap_s`), its power is in the kernel's interval. The ops a job's training
+settings add have rows of their own (`ComputeOp.breakdown`): dropout and the unfused
+gradient accumulation."""
 CLASS_OF = {"gemm": 0, "attention": 1, "memory": 2, "gap": 3, "lat": 4, "xfer": 4,
-            "host": 5}
+            "host": 5, "dropout": 6, "grad_accumulation": 7}
 EXPOSED = 4
 N_CLS = len(KERNEL_CLASSES)
 

@@ -81,6 +81,8 @@ class StreamRunner(Intervals):
                 items.append(("host", waits[i]))
             if isinstance(op, Collective):
                 items += self.collective_items(op)
+            elif op.fused:  # inside the previous op's kernel: no launch of its own
+                items.append(("op", op))
             else:
                 kernels = max(1, len(op.gemm_shapes))
                 items += [("gap", overhead * kernels), ("op", op)]
@@ -334,7 +336,8 @@ class StreamRunner(Intervals):
             if m_cur is None:
                 cls = EXPOSED
             else:
-                cls = CLASS_OF[m_cur[1].kind if m_cur[0] == "op" else m_cur[0]]
+                cls = CLASS_OF[(m_cur[1].breakdown or m_cur[1].kind) if m_cur[0] == "op"
+                               else m_cur[0]]
             both = m_cur is not None and s_cur is not None
             ends = m_cur is not None and dt_m <= dt
             if trace is not None:
