@@ -49,12 +49,13 @@ def test_job_id_keeps_plain_jobs_ids_and_tells_vp_apart():
     assert interleaved.model_dump()["virtual_pipeline"] == 2
     assert job_id(plain) != job_id(interleaved)
     # a job journaled before the field existed hashed its dump without it (nor the later
-    # cp_comm_type, nor the training settings: a preset at their defaults, as kareus-1 is
-    # no longer since it took the artifact's)
+    # cp_comm_type, nor the node type or the training settings: a preset at their
+    # defaults, as kareus-1 is no longer since it took the artifact's)
     import hashlib
     import json
     doc = {k: v for k, v in plain.model_dump(mode="json").items()
-           if k not in ("virtual_pipeline", "cp_comm_type", "nanobatch_split", "training")}
+           if k not in ("virtual_pipeline", "cp_comm_type", "nanobatch_split", "node",
+                        "training")}
     old = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
     assert job_id(plain) == old
 

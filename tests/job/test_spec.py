@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 from kareus.core.jsonfile import MAX_DEPTH, check_depth, read_json_object
 from kareus.errors import SpecError
+from kareus.job.limits import MAX_MICROBATCHES
 from kareus.job.presets import JOB_PRESETS
 from kareus.job.sources import build_job, load_hf_config
-from kareus.job.spec import MAX_MICROBATCHES
 
 
 @pytest.mark.parametrize("name", list(JOB_PRESETS))

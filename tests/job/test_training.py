@@ -81,7 +81,7 @@ def test_ids_keep_old_jobs_and_tell_settings_apart(preset, training):
     doc = plain.model_dump(mode="json")
     del doc["training"]
     for field, default in (("virtual_pipeline", 1), ("cp_comm_type", "allgather"),
-                           ("nanobatch_split", default_split(plain))):
+                           ("nanobatch_split", default_split(plain)), ("node", None)):
         if doc[field] == default:
             del doc[field]
     old = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
