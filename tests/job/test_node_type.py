@@ -80,3 +80,11 @@ def test_another_gpu_on_a_preset_takes_that_gpu_s_default_node():
     assert build_job("kareus-1").node == "p4d.24xlarge"
     with pytest.raises(SpecError, match="holds A100-40GB, not H100-SXM"):
         build_job("kareus-1", overrides={"gpu": "H100-SXM", "node": "p4d.24xlarge"})
+
+
+def test_the_preset_s_own_gpu_keeps_its_node():
+    """Naming the GPU a preset already has (by any alias) changes nothing: the same job."""
+    for gpu in ("A100-40GB", "a100"):
+        job = build_job("kareus-1", overrides={"gpu": gpu})
+        assert job.node == "p4d.24xlarge"
+        assert job_id(job) == job_id(build_job("kareus-1"))

@@ -14,6 +14,7 @@ import yaml
 
 from kareus.core.jsonfile import check_depth, read_json_object, too_deep
 from kareus.errors import SpecError
+from kareus.job.hardware import get_gpu
 from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS, preset_names
 from kareus.job.spec import JobSpec, ModelSpec, validate_job
 from kareus.job.validation import first_error_line
@@ -171,7 +172,8 @@ def build_job(
     if config is not None:
         data.update(load_job_file(config))
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
-    if "gpu" in given and "node" not in given:
+    if ("gpu" in given and "node" not in given and "gpu" in data
+            and get_gpu(str(given["gpu"])).name != get_gpu(str(data["gpu"])).name):
         # another GPU than the preset's or file's: their node type holds theirs, so the
         # job takes the new GPU's default node unless one is named with it
         data.pop("node", None)
