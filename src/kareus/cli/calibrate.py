@@ -6,7 +6,6 @@ import typer
 
 from kareus import SCHEMA_VERSION
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.anchors import all_anchors
 from kareus.backends.emulator.calibration import (
     fit_params,
     measure_and_compare,
@@ -18,6 +17,7 @@ from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.cli.options import with_backend
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
+from kareus.workflows.anchors import all_anchors
 from kareus.workload.workload import Workload
 
 

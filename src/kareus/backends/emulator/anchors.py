@@ -1,13 +1,14 @@
 """Public anchors (docs/anchors.md) next to the emulator's values: `kareus calibrate`.
 
 Each anchor names its source, the published value, the emulated value and the relative
-error; tests bound every error (tests/backends/emulator/test_anchors.py).
+error; tests bound every error (tests/backends/emulator/test_anchors.py). These are the
+groups the emulator computes alone; kareus-1's like-for-like rows compose a Perseus plan
+first, and `kareus.workflows.anchors.all_anchors` lists every group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from kareus.backends.emulator import iteration_anchors, kernel_anchors
 from kareus.backends.emulator.anchor_base import Anchor, backend_for, for_gpu
@@ -180,9 +181,3 @@ ANCHOR_GROUPS: dict[str, Callable[..., list[Anchor]]] = {
     "memory_bandwidth": kernel_anchors.memory_bandwidth_anchor,
 }
 
-
-def all_anchors(calibration: str | Path | None = None) -> list[Anchor]:
-    out: list[Anchor] = []
-    for fn in ANCHOR_GROUPS.values():
-        out += fn(calibration)
-    return out
