@@ -57,6 +57,8 @@ BOUNDS = {
     "Llama 3.1 8B on 8 H100 (CP2, MBS 1), Megatron step time": 0.10,
     "Llama 3.1 8B on 8 H100 (CP2, MBS 1), MFU": 0.10,
     "Llama 3.1 8B on 128 H100 (CP2, DP64, MBS 1), Megatron step time": 0.10,
+    "Llama 3.1 70B on 64 H100 (TP4 PP4 CP2 VP5, SP, MBS 1), Megatron step time": 0.10,
+    "Llama 3.1 70B on 64 H100 (TP4 PP4 CP2 VP5, SP, MBS 1), MFU": 0.10,
     **{f"H100 bf16 GEMM {b}x{m}x{n}x{k}": 0.10 for (b, m, n, k), _ in XLA_H100_TFLOPS},
     **{f"A100 FlashAttention-2 fwd+bwd, seq {s}, {mask}": 0.03
        for s in FA2_A100_FWD_BWD_TFLOPS for mask in ("causal", "non-causal")},
