@@ -32,8 +32,10 @@ V3_JOB = {"node": "DGX-A100", "training": {}}
 
 def _row(name: str, overrides: dict, calibration: str | None) -> dict:
     job = build_job("kareus-1", overrides=overrides)
-    r = simulate_megatron(job, calibration, with_instructions=True)
-    w = window_path(r, job.pp, job.num_microbatches, job.virtual_pipeline)
+    w = window_path(simulate_megatron(job, calibration, with_instructions=True,
+                                      timed_windows=True),
+                    job.pp, job.num_microbatches, job.virtual_pipeline)
+    r = simulate_megatron(job, calibration)
     return {"step": name, "path_s": w.time_s, "path_j": w.energy_j,
             "path_w": w.mean_power_per_gpu_w, "wall_s": r.time_s,
             "wall_w": r.mean_power_per_gpu_w}

@@ -32,11 +32,15 @@ H100_8B_128_JOB: dict[str, Any] = {**H100_8B_JOB, "nodes": 16, "dp": 64}
 
 
 def simulate_megatron(job: JobSpec, calibration: str | Path | None,
-                      with_instructions: bool = False) -> IterationResult:
+                      with_instructions: bool = False, timed_windows: bool = False
+                      ) -> IterationResult:
+    """``timed_windows``: as the reference's profiling runs, Megatron's timers around every
+    instruction (`IterationSimulator.run`), for `window_path`; else plain training."""
     b = EmulatorBackend(job, calibration=calibration if for_gpu(calibration, job.gpu)
                         else None)
     return IterationSimulator(Workload.build(job).partitions, b).run(
-        baseline_plan("megatron", job), with_instructions=with_instructions)
+        baseline_plan("megatron", job), with_instructions=with_instructions,
+        timed_windows=timed_windows)
 
 
 KAREUS_1_PATH_S = 5.113
@@ -49,8 +53,11 @@ the mean power per GPU the artifact states for it."""
 
 def iteration_anchor(calibration: str | Path | None = None) -> list[Anchor]:
     job = build_job("kareus-1")
-    r = simulate_megatron(job, calibration, with_instructions=True)
-    w = window_path(r, job.pp, job.num_microbatches, job.virtual_pipeline)
+    # the windows from a run with the reference's timers; the wall clock from plain training
+    w = window_path(simulate_megatron(job, calibration, with_instructions=True,
+                                      timed_windows=True),
+                    job.pp, job.num_microbatches, job.virtual_pipeline)
+    r = simulate_megatron(job, calibration)
     src = "anchors §5, Kareus artifact: critical path of in-training instruction windows"
     h100 = build_job(overrides=H100_8B_JOB)
     r8 = simulate_megatron(h100, calibration)
