@@ -93,8 +93,8 @@ def host_syncs(pp: int, microbatches: int, rank: int, vp: int = 1) -> list[bool]
         before, now = order[i - 1][2], order[i][2]
         if vp == 1:
             # an exchange with the next stage after a forward, the previous after a backward
-            silent = ((before, now) == ("forward", "backward") and rank == pp - 1
-                      or (before, now) == ("backward", "forward") and rank == 0)
+            silent = (((before, now) == ("forward", "backward") and rank == pp - 1)
+                      or ((before, now) == ("backward", "forward") and rank == 0))
         else:
             # a steady step's backward, after its forward (rank_order: warm-up forwards,
             # then forward/backward pairs, then cool-down backwards)

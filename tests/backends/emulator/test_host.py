@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.host import HostCosts, HostPlan
+from kareus.backends.emulator.host import HostCosts, HostPlan, is_backward
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.backends.emulator.iteration_anchors import H100_8B_JOB
 from kareus.backends.emulator.params import default_params
@@ -189,6 +189,34 @@ def test_a_recomputed_forward_is_issued_again(k1_job):
         host.module_s)
     assert host.issue_s(next(op for op in g.layer_forward if op.name == "rope")) == (
         host.basic_op_s)
+
+
+def test_every_backward_kernel_takes_the_backward_scale(k1_job):
+    """Every op of a backward instruction that is not a (recomputed) forward op is a
+    backward kernel, the unfused gradient accumulation's add included (kareus-1 runs with
+    gradient_accumulation_fusion off): each one's issue time is scaled by
+    `host_backward_scale`."""
+    assert not k1_job.training.gradient_accumulation_fusion
+    ps = Workload.build(k1_job).partitions
+    forward = {op.name for stage in range(k1_job.pp)
+               for op in _instruction_ops(ps, stage, "forward")}
+    host = HostCosts.of(default_params(k1_job.gpu_spec))
+    doubled = replace(host, backward_scale=2.0)
+    seen = set()
+    for stage in range(k1_job.pp):
+        for op in _instruction_ops(ps, stage, "backward"):
+            if isinstance(op, ComputeOp) and op.name not in forward:
+                seen.add(op.name)
+                assert is_backward(op), op.name
+                assert doubled.issue_s(op) == 2 * host.issue_s(op) > 0, op.name
+    assert {"qkv_grad_acc", "lm_head_grad_acc"} <= seen
+
+
+def _instruction_ops(ps, stage: int, direction: str) -> list:
+    pre, _layers, post = ps.sequential_steps(stage, direction)
+    steps = [*pre, *ps.sequential_layer[direction], *post]
+    return [op for s in steps for op in (s.unit.compute_ops if s.kind == "overlap"
+                                         else s.ops)]
 
 
 def test_issue_time_per_kind():

@@ -12,10 +12,10 @@ Here the windows are the instructions of an iteration simulated with the same ti
 (`IterationSimulator.run(..., timed_windows=True)`): Megatron's ``Timer.start`` synchronises
 the device and then reads the clock (megatron/core/timers.py), so a window starts at an empty
 queue and includes the host's issue time before the first kernel, then every kernel to the
-sync after the last, from the power limiter state it started in. The path is a longest path over a graph
-built here: each rank's own instruction order (`rank_order`), a forward after the previous
-stage's forward of its microbatch, a backward after the next stage's backward of its
-microbatch. It does not reuse the schedule's list scheduling (`kareus.plans.schedule`), so
+sync after the last, from the power limiter state it started in. The path is a longest path
+over a graph built here: each rank's own instruction order (`rank_order`), a forward after
+the previous stage's forward of its microbatch, a backward after the next stage's backward
+of its microbatch. It does not reuse the schedule's list scheduling (`kareus.plans.schedule`), so
 the tests can check one against the other.
 """
 
