@@ -7,6 +7,10 @@ fastest plan (the emulator's own Perseus fastest plan, composed at each step: th
 path of its instruction windows with free edges, their energy over one GPU per stage, its
 mean power), the same energy of Megatron-LM's plan at max clock (every instruction at the
 top clock), and Megatron-LM's simulated wall clock.
+Then the host's constants over their public range (docs/anchors.md §10), all at their
+favourable and all at their unfavourable end: the composed headline has no host, so
+`kareus compare --sensitivity` does not vary them and this table is where their range is
+shown.
 
     python benchmarks/emulator_v4_attribution.py
 
@@ -64,6 +68,33 @@ def main() -> None:
               f"{r['wall_s']:7.3f} {r['wall_w']:7.1f}")
     print(f"reference (Kareus artifact's Perseus fastest plan): {KAREUS_1_PATH_S} s, "
           f"{KAREUS_1_PATH_J:.0f} J, {KAREUS_1_PATH_W:.0f} W")
+    host_range()
+
+
+HOST_ENDS = {
+    "favourable": {"host_module_s": 74e-6, "host_basic_op_s": 1e-6, "host_backward_scale": 0.5},
+    "nominal": {},
+    "unfavourable": {"host_module_s": 140e-6, "host_basic_op_s": 13.5e-6,
+                     "host_backward_scale": 2.0},
+}
+"""The host's constants at the ends of the ranges docs/emulator.md states for them."""
+
+
+def host_range() -> None:
+    """kareus-1 (Megatron-LM at max clock) with the host's constants at each end: the
+    GPU's waits for the host per stage (`simulate --breakdown`'s host-idle row), the wall
+    clock, and the like-for-like critical path."""
+    print(f"\n{'host constants':14s} {'host idle s (per stage)':>26s} {'wall s':>9s} "
+          f"{'path s':>8s}")
+    job = build_job("kareus-1")
+    with tempfile.TemporaryDirectory() as tmp:
+        for end, params in HOST_ENDS.items():
+            cal = Path(tmp) / f"{end}.json"
+            cal.write_text(json.dumps({"gpu": job.gpu, "emulator_params": params}))
+            m = megatron_max_clock(job, str(cal))
+            r, w = m.result, m.path
+            idle = " ".join(f"{row['host_idle']['time_s']:.6f}" for row in r.breakdown())
+            print(f"{end:14s} {idle:>26s} {r.time_s:9.4f} {w.time_s:8.3f}")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,26 @@ def test_unknown_constant_names_are_one_error(tmp_path):
     assert not out.exists()  # refused before any work
 
 
+def test_the_host_constants_are_not_in_the_headline_sensitivity(tmp_path):
+    """The composed headline has no host (partitions are measured in loops whose host keeps
+    ahead): varying its constants would repeat the nominal at the cost of two
+    recompositions each. They are not in the catalog, and naming one is one error that
+    says where the host's range is shown."""
+    from kareus.backends.emulator.host import HOST_PARAMS
+
+    used, _ = resolve_constants(None)
+    assert not {c.name for c in used} & set(HOST_PARAMS)
+    for name in HOST_PARAMS:
+        with pytest.raises(SpecError, match=rf"'{name}' not varied: the composed headline "
+                                            r"has no host.*emulator_v4_attribution"):
+            resolve_constants(["static_power_scale", name])
+    out = tmp_path / "cmp"
+    r = run_cli("compare", "--out", str(out), "--sensitivity", "--sensitivity-constants",
+                "host_module_s")
+    assert r.code == 2 and "benchmarks/emulator_v4_attribution.py" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_static_power_scale_scales_the_emulators_static_power():
     from dataclasses import replace
 

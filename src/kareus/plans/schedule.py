@@ -63,6 +63,46 @@ def rank_order(pp: int, microbatches: int, rank: int, vp: int = 1) -> list[Instr
     return order + bwd[total - warmup:]
 
 
+def host_syncs(pp: int, microbatches: int, rank: int, vp: int = 1) -> list[bool]:
+    """Per instruction of `rank_order`, whether the device is synchronised right before it
+    (the host then starts issuing it to an empty queue: kareus.backends.emulator.host).
+
+    Megatron-Core (0.16, pipeline_parallel/schedules.py and p2p_communication.py) puts a
+    P2P call between consecutive instructions of a rank, and ``_communicate`` ends with
+    ``torch.cuda.synchronize()`` (``batch_p2p_sync``), but not everywhere:
+
+    - plain 1F1B: a steady forward is followed by ``send_forward_recv_backward``, which
+      communicates nothing on the last stage, and a steady backward by
+      ``send_backward_recv_forward``, nothing on the first; warm-up and cool-down always
+      exchange (``send_forward`` + ``recv_forward``, ``send_backward`` +
+      ``recv_backward``: a rank with warm-up or cool-down is not the last);
+    - interleaved 1F1B: a steady step runs its forward and its backward with no call
+      between them (``forward_backward_helper_wrapper``); every other pair is separated
+      by a ``send_*_recv_*`` that calls ``_communicate`` even when it has nothing to move.
+
+    The first instruction counts as synchronised: the previous iteration's optimizer step
+    read the gradient norm on the host (docs/anchors.md §10). Without a pipeline
+    (``pp == 1``) nothing synchronises between instructions."""
+    order = rank_order(pp, microbatches, rank, vp)
+    if pp == 1:  # forward_backward_no_pipelining
+        return [i == 0 for i in range(len(order))]
+    total = len(order) // 2
+    warmup = min(total, 2 * (pp - rank - 1) + (vp - 1) * pp)
+    out = [True]
+    for i in range(1, len(order)):
+        before, now = order[i - 1][2], order[i][2]
+        if vp == 1:
+            # an exchange with the next stage after a forward, the previous after a backward
+            silent = (((before, now) == ("forward", "backward") and rank == pp - 1)
+                      or ((before, now) == ("backward", "forward") and rank == 0))
+        else:
+            # a steady step's backward, after its forward (rank_order: warm-up forwards,
+            # then forward/backward pairs, then cool-down backwards)
+            silent = (i - warmup) % 2 == 1 and warmup < i < warmup + 2 * (total - warmup)
+        out.append(not silent)
+    return out
+
+
 def sends_after(stage: int, direction: str, stages: int, send_activation_s: Sequence[float],
                 send_grad_s: Sequence[float]) -> float:
     """How long the rank of ``stage`` waits for the transfer that follows its instruction

@@ -67,11 +67,14 @@ def fastest_plan(job: JobSpec, method: str = "perseus",
 
 def simulate(job: JobSpec, plan: ExecutionPlan, calibration: str | Path | None = None
              ) -> Simulated:
-    """``plan`` as one whole iteration (`IterationSimulator`, with its instructions) and
-    its critical path of instruction windows with free edges (`window_path`)."""
-    r = IterationSimulator(Workload.build(job).partitions,
-                           emulator_for(job, calibration)).run(plan, with_instructions=True)
-    return Simulated(plan, r, window_path(r, job.pp, job.num_microbatches,
+    """``plan`` as one whole iteration of plain training (`IterationSimulator`) and the
+    critical path, with free edges, of its instruction windows as the reference's profiling
+    runs time them (Megatron's timers synchronise around every instruction: a second run
+    with ``timed_windows``; `window_path`)."""
+    sim = IterationSimulator(Workload.build(job).partitions, emulator_for(job, calibration))
+    r = sim.run(plan)
+    timed = sim.run(plan, with_instructions=True, timed_windows=True)
+    return Simulated(plan, r, window_path(timed, job.pp, job.num_microbatches,
                                           job.virtual_pipeline))
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator.host import HOST_PARAMS
 from kareus.backends.emulator.params import EmulatorParams, default_params
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
@@ -81,19 +82,6 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("launch_overhead_s", 1e-6, 10e-6, False,
              "no authoritative public number: 'a couple of microseconds' per launch is "
              "anecdotal (anchors §8); 1-10 us around the nominal 4 us"),
-    Constant("host_module_s", 74e-6, 140e-6, False,
-             "public: host time per linear forward, Megatron-Core ColumnParallelLinear 74 us "
-             "and TransformerEngine's 140 us (115 us nominal, after TE PR 1191; TP1, BF16; "
-             "anchors §10); used for attention and the embedding without a figure of their "
-             "own. Moves simulated iterations (`simulate`, calibrate), not the composed "
-             "headline: partitions are measured in loops whose host keeps ahead"),
-    Constant("host_basic_op_s", 1e-6, 13.5e-6, False,
-             "'O(1 us)' per basic PyTorch op (TE issue 2053, anchors §10); no per-module "
-             "figure for norms, RoPE, activations, residuals: up to 13.5 us, a torch Linear's "
-             "whole forward on an H100 DGX (same issue). Simulated iterations only"),
-    Constant("host_backward_scale", 0.5, 2.0, False,
-             "no public figure for the host time of a backward: 1 (as the forward), halved to "
-             "doubled. Simulated iterations only"),
     Constant("gemm_fixed_s", 1e-6, 6.5e-6, False,
              "fitted to XLA's H100 shape table (2.5 us, anchors §8) and used on A100 "
              "without an A100 table; 1 us to the 6.5 us the same table gives when every "
@@ -104,6 +92,15 @@ CONSTANTS: tuple[Constant, ...] = (
              "held near 1335 MHz) "
              "to 1.6 (held near 1050 MHz)"),
 )
+
+
+NOT_VARIED: dict[str, str] = {name: (
+    "the composed headline has no host (partitions are measured in loops whose host keeps "
+    "ahead), so varying it would only repeat the nominal; its range is shown on simulated "
+    "iterations by benchmarks/emulator_v4_attribution.py (docs/emulator.md, \"The host\")")
+    for name in HOST_PARAMS}
+"""Emulator constants with a plausible range that `--sensitivity` does not vary: none can
+move the headline, and each would cost two recompositions per preset."""
 
 
 def _known_fields() -> set[str]:
@@ -117,6 +114,10 @@ def resolve_constants(names: Sequence[str] | None = None
     one error listing the known ones."""
     catalog = {c.name: c for c in CONSTANTS}
     wanted = list(catalog) if names is None else list(dict.fromkeys(names))
+    excluded = [n for n in wanted if n in NOT_VARIED]
+    if excluded:
+        raise SpecError(f"sensitivity constant(s) {', '.join(map(repr, excluded))} not "
+                        f"varied: {NOT_VARIED[excluded[0]]}")
     unknown = [n for n in wanted if n not in catalog]
     if unknown:
         raise SpecError(f"unknown sensitivity constant(s) {', '.join(map(repr, unknown))}; "

@@ -1,7 +1,7 @@
 """The host that issues the compute stream's kernels (kareus.backends.emulator.host): the GPU
 waits for it only where it is behind (after a sync, or throughout where kernels are shorter
-than their issue time), every pipeline exchange empties the queue, and the waiting costs
-static power."""
+than their issue time), every pipeline exchange empties the queue (and only those, or the
+reference's timers), and the waiting costs static power."""
 
 from dataclasses import replace
 
@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.emulator.host import HostCosts, HostPlan
+from kareus.backends.emulator.host import HostCosts, HostPlan, is_backward
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.backends.emulator.iteration_anchors import H100_8B_JOB
 from kareus.backends.emulator.params import default_params
 from kareus.backends.emulator.profiles import KERNEL_CLASSES
 from kareus.job.sources import build_job
 from kareus.plans.methods import baseline_plan
-from kareus.plans.schedule import one_f_one_b
+from kareus.plans.schedule import host_syncs, rank_order
 from kareus.workload.layer import gemm, memory_op
 from kareus.workload.ops import ComputeOp
 from kareus.workload.workload import Workload
@@ -97,20 +97,61 @@ def _instruction_waits(sim: IterationSimulator, stage: int, direction: str, f: i
     return total, lag
 
 
-def test_every_pipeline_exchange_empties_the_queue(k1_job):
-    """PP2: every instruction starts from an empty queue, so each stage's host idle time
-    is its instructions' waits from a zero lag, at static power."""
+def _stage_waits(sim: IterationSimulator, job, stage: int, f: int, timed: bool) -> float:
+    """A stage's host idle time over the iteration, walked from the host's plans: from an
+    empty queue where the schedule synchronises (every instruction with the timers), the
+    lag carried where it does not (kareus-1's silent transitions follow their predecessor
+    at once: no gap between them)."""
+    order = rank_order(job.pp, job.num_microbatches, stage)
+    syncs = host_syncs(job.pp, job.num_microbatches, stage)
+    total, lag = 0.0, 0.0
+    for (_, _, d), synced in zip(order, syncs, strict=True):
+        waits, lag = _instruction_waits(sim, stage, d, f, 0.0 if synced or timed else lag)
+        total += waits
+    return total
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_the_host_is_behind_after_every_sync_only(k1_job, timed):
+    """PP2 (kareus-1): Megatron-Core's exchanges synchronise between most instructions,
+    but stage 1 goes from a steady forward to its backward, and stage 0 from a steady
+    backward to the next forward, with nothing to exchange (host_syncs): there the host
+    is still ahead and the GPU does not wait for it. With the reference's timers around
+    every window, every instruction starts from an empty queue."""
     b = EmulatorBackend(k1_job)
     sim = IterationSimulator(Workload.build(k1_job).partitions, b)
-    r = sim.run(baseline_plan("megatron", k1_job))
+    r = sim.run(baseline_plan("megatron", k1_job), timed_windows=timed)
     f = k1_job.gpu_spec.max_freq_mhz
     for stage, row in enumerate(r.breakdown()):
-        order = one_f_one_b(k1_job.pp, k1_job.num_microbatches, stage)
-        expected = sum(_instruction_waits(sim, stage, d, f)[0] for _, d in order)
+        expected = _stage_waits(sim, k1_job, stage, f, timed)
+        from_empty = _stage_waits(sim, k1_job, stage, f, True)
         assert expected > 0
         assert row["host_idle"]["time_s"] == pytest.approx(expected, rel=1e-9)
         assert row["host_idle"]["energy_j"] == pytest.approx(
             expected * b.static_power_w, rel=1e-9)
+        if not timed:  # the silent transitions are where the host stays ahead
+            assert expected < from_empty
+
+
+def test_the_timers_windows_cost_the_wall_clock_the_hosts_head_start(k1_job):
+    """The same plan with and without the timers: the timed run's instructions each start
+    at a sync, so its wall clock is no shorter, and it differs only where the host ran
+    ahead (the silent transitions)."""
+    b = EmulatorBackend(k1_job)
+    sim = IterationSimulator(Workload.build(k1_job).partitions, b)
+    plan = baseline_plan("megatron", k1_job)
+    plain = sim.run(plan, with_instructions=True)
+    timed = sim.run(plan, with_instructions=True, timed_windows=True)
+    assert timed.timed_windows and not plain.timed_windows
+    assert timed.time_s > plain.time_s
+    for r, (p_rep, t_rep) in enumerate(zip(plain.stages, timed.stages, strict=True)):
+        syncs = host_syncs(k1_job.pp, k1_job.num_microbatches, r)
+        for synced, pi, ti in zip(syncs, p_rep.instructions, t_rep.instructions,
+                                  strict=True):
+            if synced:
+                assert pi["time_s"] == pytest.approx(ti["time_s"], rel=1e-9)
+            else:
+                assert pi["time_s"] < ti["time_s"]
 
 
 def test_without_a_pipeline_the_host_stays_ahead():
@@ -148,6 +189,34 @@ def test_a_recomputed_forward_is_issued_again(k1_job):
         host.module_s)
     assert host.issue_s(next(op for op in g.layer_forward if op.name == "rope")) == (
         host.basic_op_s)
+
+
+def test_every_backward_kernel_takes_the_backward_scale(k1_job):
+    """Every op of a backward instruction that is not a (recomputed) forward op is a
+    backward kernel, the unfused gradient accumulation's add included (kareus-1 runs with
+    gradient_accumulation_fusion off): each one's issue time is scaled by
+    `host_backward_scale`."""
+    assert not k1_job.training.gradient_accumulation_fusion
+    ps = Workload.build(k1_job).partitions
+    forward = {op.name for stage in range(k1_job.pp)
+               for op in _instruction_ops(ps, stage, "forward")}
+    host = HostCosts.of(default_params(k1_job.gpu_spec))
+    doubled = replace(host, backward_scale=2.0)
+    seen = set()
+    for stage in range(k1_job.pp):
+        for op in _instruction_ops(ps, stage, "backward"):
+            if isinstance(op, ComputeOp) and op.name not in forward:
+                seen.add(op.name)
+                assert is_backward(op), op.name
+                assert doubled.issue_s(op) == 2 * host.issue_s(op) > 0, op.name
+    assert {"qkv_grad_acc", "lm_head_grad_acc"} <= seen
+
+
+def _instruction_ops(ps, stage: int, direction: str) -> list:
+    pre, _layers, post = ps.sequential_steps(stage, direction)
+    steps = [*pre, *ps.sequential_layer[direction], *post]
+    return [op for s in steps for op in (s.unit.compute_ops if s.kind == "overlap"
+                                         else s.ops)]
 
 
 def test_issue_time_per_kind():

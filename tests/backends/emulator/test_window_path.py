@@ -64,15 +64,17 @@ def test_longest_path_equals_the_schedule_with_free_edges(pp, groups, vp, data):
     assert sum(durations[c.index[i]] for i in path) == pytest.approx(length, rel=1e-12)
 
 
-def _fake_result(windows: dict, static_w: float = 85.0) -> IterationResult:
+def _fake_result(windows: dict, static_w: float = 85.0, timed: bool = True
+                 ) -> IterationResult:
     """An iteration whose instructions are ``windows`` ({iid: (time_s, dynamic_j)}), two
-    GPUs per stage."""
+    GPUs per stage, simulated with the timers' windows unless not ``timed``."""
     stages = [StageReport(s) for s in range(2)]
     for (s, m, d), (t, e) in windows.items():
         stages[s].instructions.append({"stage": s, "microbatch": m, "direction": d,
                                        "time_s": t, "dynamic_energy_j": e})
     time_s = 30.0  # the wall clock: only the static power is read from it
-    return IterationResult("fake", time_s, 0.0, 4 * time_s * static_w, 0.0, 4, stages)
+    return IterationResult("fake", time_s, 0.0, 4 * time_s * static_w, 0.0, 4, stages,
+                           timed_windows=timed)
 
 
 def test_window_path_energy_is_every_window_on_one_gpu_per_stage():
@@ -100,12 +102,20 @@ def test_a_result_without_its_instructions_is_refused():
         window_path(_fake_result({}), 2, 3)
 
 
+def test_a_result_without_the_timers_windows_is_refused():
+    """Plain training lets the host run ahead into some instructions (host_syncs): those
+    are not the reference's windows, which all start at a timer's sync."""
+    with pytest.raises(ValueError, match="timed_windows"):
+        window_path(_fake_result({k: (t, 0.0) for k, t in HAND.items()}, timed=False), 2, 3)
+
+
 def test_free_edges_against_the_simulators_transfers(k1):
     """kareus-1 as simulated: its instruction windows with the simulator's own transfers and
     end-of-iteration work put back rebuild its wall clock exactly; with free edges they give
     the like-for-like path, shorter by what the edges and the end cost."""
     job, ps, b = k1
-    r = IterationSimulator(ps, b).run(baseline_plan("megatron", job), with_instructions=True)
+    r = IterationSimulator(ps, b).run(baseline_plan("megatron", job), with_instructions=True,
+                                      timed_windows=True)
     w = window_path(r, job.pp, job.num_microbatches)
     windows = {(i["stage"], i["microbatch"], i["direction"]): i["time_s"]
                for s in r.stages for i in s.instructions}

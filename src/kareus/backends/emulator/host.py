@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from kareus.backends.emulator.params import EmulatorParams
 from kareus.workload.ops import ComputeOp, Op
 
-BACKWARD_SUFFIXES = ("_bwd", "_dgrad", "_wgrad")
-"""Names of the graph's backward kernels (kareus.workload.layer, graph): issued by
-autograd's backward of the module whose forward is the name's stem."""
+BACKWARD_SUFFIXES = ("_bwd", "_dgrad", "_wgrad", "_grad_acc")
+"""Names of the graph's backward kernels (kareus.workload.layer, graph, training_ops):
+issued by autograd's backward of the module whose forward is the name's stem, or, for the
+unfused gradient accumulation's add, by the DDP hook that runs in that backward."""
 
 
 MODULE_OPS = frozenset({"embedding"})
@@ -41,6 +42,12 @@ def is_backward(op: Op) -> bool:
     return op.name.endswith(BACKWARD_SUFFIXES)
 
 
+HOST_PARAMS = ("host_module_s", "host_basic_op_s", "host_backward_scale")
+"""The `EmulatorParams` fields of the host (`HostCosts.of`), in its fields' order: only
+simulated iterations read them, never a measurement (its loop keeps its host ahead), so
+never composition."""
+
+
 @dataclass(frozen=True)
 class HostCosts:
     """Host time to issue each op, from the emulator's constants (docs/anchors.md §10)."""
@@ -51,7 +58,7 @@ class HostCosts:
 
     @classmethod
     def of(cls, p: EmulatorParams) -> HostCosts:
-        return cls(p.host_module_s, p.host_basic_op_s, p.host_backward_scale)
+        return cls(*(float(getattr(p, name)) for name in HOST_PARAMS))
 
     def issue_s(self, op: Op) -> float:
         """A linear's or an attention's first kernel, or an embedding: one module call

@@ -20,10 +20,15 @@ transfer, a backward for the next stage's backward plus the gradient transfer. A
 last backward a rank runs the data-parallel gradient sync. A GPU that waits draws static
 power.
 
-The host issues each rank's kernels (host.py): every instruction of a pipeline starts
-from an empty queue (Megatron-Core synchronises the device after each batched P2P
-exchange), and so does the iteration's first (the optimizer's gradient norm is read on the
-host); without a pipeline the host's lag carries from one instruction to the next.
+The host issues each rank's kernels (host.py). Megatron-Core synchronises the device after
+each batched P2P exchange, but not every pair of consecutive instructions has one between
+them (`kareus.plans.schedule.host_syncs`: a steady forward then backward on the last stage,
+a steady backward then forward on the first, a steady step's forward then backward with
+interleaving; every pair without a pipeline): there the host's lag carries from one
+instruction into the next; elsewhere, and at the iteration's first (the optimizer's
+gradient norm is read on the host), the instruction starts from an empty queue. With
+``timed_windows`` (Megatron's timers around every forward and backward, as the reference's
+profiling runs had them, docs/anchors.md §5) every instruction starts from an empty queue.
 
 Iteration time is the slowest rank's; energy is summed over all GPUs of the job:
 sum of dynamic energies (every GPU of a stage does the same work) + GPUs x time x static.
@@ -42,7 +47,7 @@ from kareus.backends.emulator.limiter import LimiterState
 from kareus.backends.emulator.timeline import KERNEL_CLASSES, RunResult
 from kareus.core import ZERO, Knobs, Measurement
 from kareus.plans.execution import ExecutionPlan
-from kareus.plans.schedule import rank_order, schedule
+from kareus.plans.schedule import host_syncs, rank_order, schedule
 from kareus.workload.partition import PartitionSet, Step
 
 
@@ -72,6 +77,9 @@ class IterationResult:
     num_gpus: int
     stages: list[StageReport]
     """One per pipeline rank (a rank is a stage unless the pipeline is interleaved)."""
+    timed_windows: bool = False
+    """Simulated with Megatron's timers around every instruction (`IterationSimulator.run`):
+    each instruction's time is then its timer's window."""
 
     @property
     def mean_power_per_gpu_w(self) -> float:
@@ -316,10 +324,16 @@ class IterationSimulator:
 
     # The pipeline ---------------------------------------------------------------------------
 
-    def run(self, plan: ExecutionPlan, with_instructions: bool = False) -> IterationResult:
+    def run(self, plan: ExecutionPlan, with_instructions: bool = False,
+            timed_windows: bool = False) -> IterationResult:
         """The whole iteration; one `StageReport` per pipeline rank (with interleaved 1F1B
         a rank runs the instructions, transfers and end-of-iteration work of its chunks,
-        virtual stages rank, rank + pp, ...: one GPU, one limiter state)."""
+        virtual stages rank, rank + pp, ...: one GPU, one limiter state).
+        ``timed_windows``: as a run with Megatron's forward-compute and backward-compute
+        timers enabled (megatron/core/timers.py: ``Timer.start`` and ``stop`` call
+        ``torch.cuda.synchronize()``), the reference's profiling runs: every instruction
+        starts from an empty queue, its time measured from that sync (the host's issue
+        time before its first kernel included) to the sync after its last kernel."""
         job, b = self.job, self.backend
         pp, mbs, vp = job.pp, job.num_microbatches, job.virtual_pipeline
         stages = self.ps.graph.stages  # per virtual stage
@@ -333,15 +347,19 @@ class IterationSimulator:
         reports = [StageReport(r) for r in range(pp)]
         states = [b.timeline.idle_state() for _ in range(pp)]
         free_at = [0.0] * pp
-        host_lag = [0.0] * pp  # the iteration starts from an empty queue
+        host_lag = [0.0] * pp
+        synced = {iid: s or timed_windows for r in range(pp)
+                  for iid, s in zip(rank_order(pp, mbs, r, vp), host_syncs(pp, mbs, r, vp),
+                                    strict=True)}
 
         def duration_at(iid, start: float) -> float:
             s, m, d = iid
             r, f = s % pp, plan.freq(s, m, d)
             b.timeline.rest(states[r], start - free_at[r], f)
-            # every pipeline exchange synchronises the device (batch_p2p_sync, host.py)
-            costs[iid] = self._continuous(plan, iid, f, states[r], reports[r].classes,
-                                          host_lag[r] if pp == 1 else 0.0)
+            # after a sync the host starts with the GPU; else it kept issuing while the GPU
+            # was between instructions (host_syncs)
+            lag = 0.0 if synced[iid] else host_lag[r] - (start - free_at[r])
+            costs[iid] = self._continuous(plan, iid, f, states[r], reports[r].classes, lag)
             host_lag[r] = self.host_lag_s
             free_at[r] = start + costs[iid].time_s
             return costs[iid].time_s
@@ -380,4 +398,4 @@ class IterationSimulator:
         dynamic = gpus_per_rank * sum(r.dynamic_energy_j for r in reports)
         static = job.num_gpus * time_s * b.static_power_w
         return IterationResult(plan.name, time_s, dynamic + static, static, dynamic,
-                               job.num_gpus, reports)
+                               job.num_gpus, reports, timed_windows)

@@ -37,10 +37,14 @@ def emulator_for(job: JobSpec, calibration: str | Path | None) -> EmulatorBacken
 
 
 def simulate_megatron(job: JobSpec, calibration: str | Path | None,
-                      with_instructions: bool = False) -> IterationResult:
+                      with_instructions: bool = False, timed_windows: bool = False
+                      ) -> IterationResult:
+    """``timed_windows``: as the reference's profiling runs, Megatron's timers around every
+    instruction (`IterationSimulator.run`), for `window_path`; else plain training."""
     return IterationSimulator(Workload.build(job).partitions, emulator_for(job, calibration)
                               ).run(baseline_plan("megatron", job),
-                                    with_instructions=with_instructions)
+                                    with_instructions=with_instructions,
+                                    timed_windows=timed_windows)
 
 
 H100_70B_JOB: dict[str, Any] = dict(

@@ -8,11 +8,14 @@ in the 1F1B graph with free edges (no transfer, no optimizer step, no data-paral
 energy the windows' energy summed over one GPU per stage. lowtime rounds each window down to
 1 ms first.
 
-Here the windows are the instructions as `IterationSimulator` ran them (first kernel to last,
-from the power limiter state each started in), and the path is a longest path over a graph
-built here: each rank's own instruction order (`rank_order`), a forward after the previous
-stage's forward of its microbatch, a backward after the next stage's backward of its
-microbatch. It does not reuse the schedule's list scheduling (`kareus.plans.schedule`), so
+Here the windows are the instructions of an iteration simulated with the same timers
+(`IterationSimulator.run(..., timed_windows=True)`): Megatron's ``Timer.start`` synchronises
+the device and then reads the clock (megatron/core/timers.py), so a window starts at an empty
+queue and includes the host's issue time before the first kernel, then every kernel to the
+sync after the last, from the power limiter state it started in. The path is a longest path
+over a graph built here: each rank's own instruction order (`rank_order`), a forward after
+the previous stage's forward of its microbatch, a backward after the next stage's backward
+of its microbatch. It does not reuse the schedule's list scheduling (`kareus.plans.schedule`), so
 the tests can check one against the other.
 """
 
@@ -110,8 +113,14 @@ class WindowPath:
 
 def window_path(result: IterationResult, pp: int, microbatches: int, vp: int = 1
                 ) -> WindowPath:
-    """The like-for-like figures of ``result``, which must carry its instructions
-    (``IterationSimulator.run(plan, with_instructions=True)``)."""
+    """The like-for-like figures of ``result``, which must carry its instructions and have
+    been simulated with the reference's timers
+    (``IterationSimulator.run(plan, with_instructions=True, timed_windows=True)``)."""
+    if not result.timed_windows:
+        # without the timers' syncs a window can start with the host ahead (host_syncs):
+        # shorter than any window the reference measured
+        raise ValueError("the iteration was simulated without the timers' windows "
+                         "(timed_windows=True)")
     static_w = result.static_energy_j / (result.num_gpus * result.time_s)
     windows: dict[InstructionId, tuple[float, float]] = {}
     for rep in result.stages:
