@@ -201,6 +201,8 @@ def test_simulate_breakdown_adds_up(cli):
     assert text.code == 0 and "memory-bound kernels" in text.out
     assert "waiting for the host" in text.out
     assert "pipeline bubbles and waits" in text.out
+    # a dropout, not a collective that is hidden
+    assert "hidden dropout" in text.out and "dropout (hidden)" not in text.out
 
 
 def test_simulate_breakdown_says_why_power_exceeds_the_limit(cli):

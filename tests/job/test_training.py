@@ -41,6 +41,8 @@ def test_defaults_are_what_kareus_assumed():
 @pytest.mark.parametrize("fields, words", [
     (dict(training=dict(hidden_dropout=1.0)), "training.hidden_dropout"),
     (dict(training=dict(attention_dropout=-0.1)), "training.attention_dropout"),
+    (dict(training=dict(hidden_dropout=float("nan"))),
+     "training.hidden_dropout: not a number (nan)"),
     (dict(training=dict(cross_entropy_fusion_impl="triton")), "cross_entropy_fusion_impl"),
     (dict(training=dict(bias_dropout_add_fusion=True, bias_dropout_fusion=False,
                         hidden_dropout=0.1)), "one setting"),
@@ -49,6 +51,26 @@ def test_defaults_are_what_kareus_assumed():
 ])
 def test_bad_settings_are_refused_in_one_line(fields, words):
     assert words in _refusal(**fields)
+
+
+def test_an_empty_training_section_is_the_defaults(tmp_path):
+    # YAML reads "training:" with nothing under it as null
+    path = tmp_path / "job.yaml"
+    path.write_text("model: llama3.2-3b\ntp: 2\npp: 2\nnum_microbatches: 4\nnodes: 1\n"
+                    "training:\n")
+    job = build_job(None, config=path)
+    assert job.training == TrainingSettings()
+    assert job_id(job) == job_id(_job())
+
+
+def test_nan_dropout_in_a_job_file_is_one_clear_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: llama3.2-3b\ntp: 2\npp: 2\nnum_microbatches: 4\nnodes: 1\n"
+                    "training:\n  hidden_dropout: .nan\n")
+    with pytest.raises(SpecError) as e:
+        build_job(None, config=path)
+    assert "not a number (nan)" in str(e.value) and "less than 1" not in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_aliases_and_normalisation():

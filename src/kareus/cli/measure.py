@@ -164,7 +164,7 @@ BREAKDOWN_LABELS = {
     "gemm": "GEMM", "attention": "attention", "memory": "memory-bound kernels",
     "launch_gap": "launch gaps", "host_idle": "waiting for the host (host idle)",
     "collective_exposed": "collectives, exposed",
-    "dropout": "dropout (hidden)", "grad_accumulation": "gradient accumulation (unfused)",
+    "dropout": "hidden dropout", "grad_accumulation": "gradient accumulation (unfused)",
     "transfers": "pipeline transfers (sending)",
     "iteration_end": "data-parallel sync, optimizer step",
     "pipeline_wait": "pipeline bubbles and waits"}

@@ -83,7 +83,10 @@ ARTIFACT_TRAINING: dict[str, Any] = dict(
     cross_entropy_fusion_impl="te",
 )
 """The training settings of the Kareus artifact's Megatron config (docs/anchors.md §4:
-tests/artifact/conf/megatron_llama3.2_3b_config.yaml; it writes bias_dropout_add_fusion)."""
+tests/artifact/conf/megatron_llama3.2_3b_config.yaml; it writes bias_dropout_add_fusion).
+An assumption for all ten paper presets: that config is Llama 3.2 3B's (kareus-1's
+shape), the only one cited; the others (Qwen3 1.7B, other TP/CP shapes) are assumed to
+run with the same settings."""
 
 
 def _paper_job(model: str, tp: int, cp: int, mbs: int, seq: int) -> dict[str, Any]:

@@ -14,9 +14,10 @@ state its run's values.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CrossEntropyImpl = Literal["native", "te"]
 
@@ -60,6 +61,8 @@ class TrainingSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
+        if data is None:
+            return {}  # an empty ``training:`` section in a job file: the defaults
         if not isinstance(data, dict):
             return data
         out = dict(data)
@@ -70,6 +73,14 @@ class TrainingSettings(BaseModel):
                                      f"one setting; give one of them")
                 out[name] = out.pop(alias)
         return out
+
+    @field_validator("hidden_dropout", "attention_dropout", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        # NaN fails every bound check; pydantic would say "less than 1"
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError("not a number (nan): give a probability from 0 up to 1 (not 1)")
+        return value
 
     @model_validator(mode="after")
     def _normalise(self) -> TrainingSettings:

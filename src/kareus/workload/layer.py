@@ -56,11 +56,13 @@ def linear_backward(fwd: ComputeOp) -> tuple[ComputeOp, ComputeOp]:
     return op("dgrad", dgrad, True), op("wgrad", wgrad, False)
 
 
-def weight_linear_backward(job: JobSpec, fwd: ComputeOp) -> list[ComputeOp]:
+def weight_linear_backward(job: JobSpec, fwd: ComputeOp, per_nanobatch: bool = False
+                           ) -> list[ComputeOp]:
     """A linear's backward GEMMs and, where gradient accumulation is not fused, the kernel
-    adding the weight gradient to the main gradient (`training_ops.grad_accumulation`)."""
+    adding the weight gradient to the main gradient (`training_ops.grad_accumulation`;
+    ``per_nanobatch``: ``fwd`` is one nanobatch's of a split microbatch)."""
     dgrad, wgrad = linear_backward(fwd)
-    return [dgrad, wgrad, *train.grad_accumulation(job, wgrad)]
+    return [dgrad, wgrad, *train.grad_accumulation(job, wgrad, per_nanobatch)]
 
 
 def memory_op(name: str, slot_class, flops: float, bytes_: float) -> ComputeOp:
@@ -217,9 +219,12 @@ def _ring_attention(job: JobSpec, sh: LayerShapes, chunk: int) -> ComputeOp:
                      ring_step_bytes=ring_step_bytes(job, sh, backward=False))
 
 
-def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0) -> list[Op]:
+def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0,
+                grad: bool = True) -> list[Op]:
     """One layer's forward for nanobatch ``nanobatch`` (or ``sequences`` whole sequences)
-    on one rank, collectives in place."""
+    on one rank, collectives in place; ``grad`` false: run without gradients (the first
+    forward under full recompute), which keeps nothing for a backward
+    (`training_ops.with_dropout`)."""
     sh = LayerShapes(job, sequences, nanobatch)
     sp, cp = job.sequence_parallel, job.cp_partitions  # p2p CP: no CP collective
     t, h, d = sh.tokens, sh.h, sh.d
@@ -228,7 +233,7 @@ def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0) 
     residual_elems = sh.norm_tokens * h  # a block's output, dropped out in the residual add
     ops: list[Op] = [
         *train.with_dropout(job, _residual_add("residual_mlp", sh.norm_tokens, h), "mlp",
-                            residual_elems),
+                            residual_elems, grad),
         _rmsnorm("input_norm", sh.norm_tokens, h),
     ]
     if sp:
@@ -244,7 +249,7 @@ def forward_ops(job: JobSpec, sequences: int | None = None, nanobatch: int = 0) 
     ops.append(_tp_closing(job, "attn_ar" if not sp else "attn_rs", "ao" if cp else "attn", sh))
     ops += [
         *train.with_dropout(job, _residual_add("residual_attn", sh.norm_tokens, h), "attn",
-                            residual_elems),
+                            residual_elems, grad),
         _rmsnorm("pre_mlp_norm", sh.norm_tokens, h),
     ]
     if sp:
@@ -275,6 +280,12 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
                           overlaps_weight_grad=True)
 
     residual_elems = sh.norm_tokens * sh.h
+    # one of a split microbatch's two nanobatches (the graph's op lists), not a whole one
+    halves = sequences is None and job.splits_into_nanobatches
+
+    def wlb(name: str) -> list[ComputeOp]:
+        return weight_linear_backward(job, f[name], halves)
+
     ops: list[Op] = [
         memory_backward(f["input_norm"]),
         memory_backward(f["residual_mlp"]),  # the residual branch's gradient accumulation
@@ -283,9 +294,9 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     if sp:
         ops.append(_sp_gather(job, "mlp_out_grad_ag", "ln1", sh))
     ops += [
-        *weight_linear_backward(job, f["fc2"]),
+        *wlb("fc2"),
         *[memory_backward(op) for op in reversed(f.values()) if op.slot_class == "activation"],
-        *weight_linear_backward(job, f["fc1"]),
+        *wlb("fc1"),
         grad_in("fc1_grad_ar" if not sp else "fc1_grad_rs", "mlp"),
         memory_backward(f["pre_mlp_norm"]),
         memory_backward(f["residual_attn"]),
@@ -293,7 +304,7 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     ]
     if sp:
         ops.append(_sp_gather(job, "attn_out_grad_ag", "ln2", sh))
-    ops += weight_linear_backward(job, f["out_proj"])
+    ops += wlb("out_proj")
     if cp:
         # K and V are gathered again for the attention backward (all-gather mode keeps only
         # the local shard), and dK, dV are reduce-scattered back to their owners.
@@ -311,7 +322,7 @@ def backward_ops(job: JobSpec, fwd: list[Op] | None = None, sequences: int | Non
     if "qk_norm" in f:
         ops.append(memory_backward(f["qk_norm"]))
     ops += [
-        *weight_linear_backward(job, f["qkv"]),
+        *wlb("qkv"),
         grad_in("qkv_grad_ar" if not sp else "qkv_grad_rs", "qkv" if cp else "attn"),
     ]
     return ops

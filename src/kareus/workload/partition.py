@@ -145,8 +145,12 @@ def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = Fa
                    ) -> list[Step]:
     """Ops as Megatron-LM runs them: back to back, every collective blocking the compute
     stream, except an input-gradient collective (`overlaps_weight_grad`), issued after its
-    data gradient GEMM and run beside the weight gradient GEMM and its unfused gradient
-    accumulation (an "overlap" step). ``one_step_per_op``: each op its own step (outside)."""
+    data gradient GEMM and run beside the weight gradient GEMM (an "overlap" step). An
+    unfused gradient accumulation after that GEMM runs once the collective is done: the
+    linear's backward waits for it before it returns (``handle.wait()``, Megatron-Core
+    tensor_parallel/layers.py), and the DDP hook's ``main_grad.add_`` runs after that
+    (distributed_data_parallel.py), queued behind the wait. ``one_step_per_op``: each op
+    its own step (outside)."""
     steps: list[Step] = []
     run: list[Op] = []
 
@@ -163,8 +167,8 @@ def blocking_steps(ops: Sequence[Op], direction: str, one_step_per_op: bool = Fa
         if (isinstance(op, ComputeOp) and not op.opens_slot and isinstance(nxt, Collective)
                 and nxt.overlaps_weight_grad):
             flush()
-            w = tuple(o for o in ops[i:j] if isinstance(o, ComputeOp))
-            steps.append(Step("overlap", (*w, nxt), None, _overlap_unit(w, nxt, direction)))
+            steps.append(Step("overlap", (op, nxt), None, _overlap_unit((op,), nxt, direction)))
+            run.extend(ops[i + 1:j])  # the adds to the main gradient, after the wait
             i = j + 1
             continue
         run.append(op)
@@ -372,7 +376,11 @@ def sequential_only(graph: ExecutionGraph) -> PartitionSet:
 def _sequential_layer(job: JobSpec) -> dict[str, tuple[Step, ...]]:
     fwd = forward_ops(job, sequences=job.micro_batch_size)
     bwd = backward_ops(job, fwd, sequences=job.micro_batch_size)
-    return {"forward": tuple(blocking_steps(fwd, "forward")),
+    # under full recompute the forward instruction runs without gradients (Megatron-Core's
+    # CheckpointFunction.forward under torch.no_grad); the backward's recompute with them
+    first = (forward_ops(job, sequences=job.micro_batch_size, grad=False) if job.recompute
+             else fwd)
+    return {"forward": tuple(blocking_steps(first, "forward")),
             "backward": tuple(blocking_steps([*fwd, *bwd] if job.recompute else bwd,
                                              "backward"))}
 

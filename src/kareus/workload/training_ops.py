@@ -8,13 +8,34 @@ rank; every op is timed by the emulator's existing models (memory-bound: its byt
   drawn in the kernel and kept for the backward as one byte per element (torch's dropout
   keeps a bool mask). Fused: the residual add's kernel also writes the mask (1 byte per
   element more, no launch of its own); unfused: a dropout kernel of its own before the add
-  (reads x, writes the output and the mask: 2E + 1). Backward, fused or not: a kernel that
+  (reads x, writes the output and the mask: 2E + 1). A forward without gradients (the
+  first forward under full recompute: ``CheckpointFunction.forward`` runs under
+  ``torch.no_grad``, tensor_parallel/random.py) has no mask to keep: the layer runs the
+  bias-dropout-add under ``torch.enable_grad`` (transformer_layer.py,
+  ``bias_dropout_add_exec_handler``), but neither of its inputs there needs a gradient
+  with respect to the dropped tensor (the block's output was computed without
+  gradients), so the fused function (``jit_fuser``, torch.compile, jit.py) is compiled
+  without a backward and draws the mask in registers: the add's kernel alone. The unfused
+  path's eager ``F.dropout`` (torch's native dropout kernel) writes its mask whatever the
+  grad mode. The recomputed forward inside the backward writes it, as a forward without
+  recompute does. Backward, fused or not: a kernel that
   scales the incoming gradient by the mask (reads the gradient and the mask, writes the
   gradient: 2E + 1), where no dropout passes the gradient through with no kernel.
 - Unfused gradient accumulation (``gradient_accumulation_fusion`` false): each weight
   gradient GEMM writes a bf16 gradient (already in its bytes) and Megatron-Core's DDP hook
-  adds it to the fp32 main gradient (``main_grad.add_``): reads E + 4, writes 4 bytes per
-  weight element of the rank, one kernel after each linear's weight gradient.
+  adds it to the fp32 main gradient (``main_grad.add_``, distributed_data_parallel.py):
+  reads E + 4, writes 4 bytes per weight element of the rank, one kernel per weight and
+  microbatch, after the linear's backward returned (`kareus.workload.partition.blocking_steps`
+  places it after the input-gradient collective that backward waits for). With the
+  microbatch split in two nanobatches (Kareus's executor) each nanobatch's weight gradient
+  is a gradient of its own (``torch.autograd.grad`` per piece), the two are summed in bf16
+  (``Grads``, kareus/runtime/pieces.py: ``s + g``, reads 2E, writes E), and the layer's
+  autograd function returns the sum, which the DDP hook adds once: two kernels per weight,
+  3E + E + 8 bytes per weight element, not two main-gradient adds. The nanobatch op lists
+  carry half of that each (one kernel, (4E + 8) / 2 bytes per weight element), so the two
+  nanobatches keep one op list and one partition key; the totals (kernels, bytes) are
+  what runs, the placement is approximate (the sum runs after nanobatch 1's weight
+  gradient, the hook's add after the layer's backward).
 - Unfused RoPE (``apply_rope_fusion`` false): ``_apply_rotary_pos_emb_bshd`` per tensor
   (q, then k): negate half, concatenate, two multiplies, add, concatenate with the (empty)
   pass-through part: six kernels, 12 element reads and writes per element (fused: 2).
@@ -41,15 +62,19 @@ MAIN_GRAD_BYTES = 4
 """Megatron-LM accumulates gradients in fp32 with bf16 (`kareus.workload.graph`)."""
 
 
-def with_dropout(job: JobSpec, residual: ComputeOp, block: str, elems: int
-                 ) -> list[ComputeOp]:
+def with_dropout(job: JobSpec, residual: ComputeOp, block: str, elems: int,
+                 grad: bool = True) -> list[ComputeOp]:
     """The residual add after block ``block`` ("attn", "mlp") with its hidden dropout over
     ``elems`` elements: the add alone without dropout; the add, then the dropout's extra
-    work in its kernel (fused); or a dropout kernel, then the add (unfused)."""
+    work in its kernel (fused); or a dropout kernel, then the add (unfused). ``grad``
+    false: a forward without gradients, whose fused kernel keeps no mask (module
+    docstring)."""
     t = job.training
     if not t.dropout:
         return [residual]
     if t.bias_dropout_fusion:
+        if not grad:
+            return [residual]  # the mask is drawn and used in registers: nothing more moves
         mask = ComputeOp(f"dropout_{block}", "memory", 2.0 * elems, float(MASK_BYTES * elems),
                          "norm", opens_slot=False, fused=True, breakdown="dropout")
         return [residual, mask]
@@ -77,16 +102,24 @@ def _dropout_kernel(name: str, elems: int) -> ComputeOp:
                      breakdown="dropout")
 
 
-def grad_accumulation(job: JobSpec, wgrad: ComputeOp) -> list[ComputeOp]:
+def grad_accumulation(job: JobSpec, wgrad: ComputeOp, per_nanobatch: bool = False
+                      ) -> list[ComputeOp]:
     """After a weight gradient GEMM: the kernel adding its bf16 gradient to the fp32 main
     gradient when gradient accumulation is not fused (none when it is: the GEMM
-    accumulates in place, as the emulator assumed before)."""
+    accumulates in place, as the emulator assumed before). ``per_nanobatch``: ``wgrad`` is
+    one of the two nanobatches' of a split microbatch, which carries half of the
+    nanobatch sum and of the one main-gradient add (module docstring)."""
     if job.training.gradient_accumulation_fusion:
         return []
     (n, k, _), = wgrad.gemm_shapes  # the weight gradient: n x k over the tokens
     weights = n * k
+    add = E + 2 * MAIN_GRAD_BYTES  # the DDP hook's main_grad.add_, once per microbatch
+    if per_nanobatch:
+        flops, bytes_ = weights, (3 * E + add) / 2  # with Grads' sum of the two, halved
+    else:
+        flops, bytes_ = weights, float(add)
     return [ComputeOp(f"{wgrad.name.removesuffix('_wgrad')}_grad_acc", "memory",
-                      float(weights), float((E + 2 * MAIN_GRAD_BYTES) * weights), "other",
+                      float(flops), bytes_ * weights, "other",
                       breakdown="grad_accumulation")]
 
 
