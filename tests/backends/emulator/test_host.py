@@ -18,7 +18,7 @@ from kareus.backends.emulator.profiles import KERNEL_CLASSES
 from kareus.job.sources import build_job
 from kareus.plans.methods import baseline_plan
 from kareus.plans.schedule import host_syncs, rank_order
-from kareus.workload.layer import gemm, memory_op
+from kareus.workload.layer import forward_ops, gemm, memory_op
 from kareus.workload.ops import ComputeOp
 from kareus.workload.workload import Workload
 
@@ -149,7 +149,9 @@ def test_the_timers_windows_cost_the_wall_clock_the_hosts_head_start(k1_job):
         for synced, pi, ti in zip(syncs, p_rep.instructions, t_rep.instructions,
                                   strict=True):
             if synced:
-                assert pi["time_s"] == pytest.approx(ti["time_s"], rel=1e-9)
+                # equal but for the power limiter's memory, which carries the earlier
+                # instructions' differences in (well under 0.1%)
+                assert pi["time_s"] == pytest.approx(ti["time_s"], rel=1e-3)
             else:
                 assert pi["time_s"] < ti["time_s"]
 
@@ -198,8 +200,11 @@ def test_every_backward_kernel_takes_the_backward_scale(k1_job):
     `host_backward_scale`."""
     assert not k1_job.training.gradient_accumulation_fusion
     ps = Workload.build(k1_job).partitions
+    # the forward ops, as the forward instruction runs them and as the backward's
+    # recompute runs them (with gradients: the dropout mask is written there only)
     forward = {op.name for stage in range(k1_job.pp)
                for op in _instruction_ops(ps, stage, "forward")}
+    forward |= {op.name for op in forward_ops(k1_job, grad=True)}
     host = HostCosts.of(default_params(k1_job.gpu_spec))
     doubled = replace(host, backward_scale=2.0)
     seen = set()
