@@ -2,7 +2,7 @@ import pytest
 
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
-from kareus.workload.partition import make_slots
+from kareus.workload.slots import make_slots
 from kareus.workload.workload import Workload
 
 # kareus-1 at the default training settings (the layer as Kareus built it before them;

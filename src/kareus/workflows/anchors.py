@@ -72,7 +72,7 @@ def simulate(job: JobSpec, plan: ExecutionPlan, calibration: str | Path | None =
     runs time them (Megatron's timers synchronise around every instruction: a second run
     with ``timed_windows``; `window_path`)."""
     sim = IterationSimulator(Workload.build(job).partitions, emulator_for(job, calibration))
-    r = sim.run(plan)
+    r = sim.run(plan, with_instructions=True)
     timed = sim.run(plan, with_instructions=True, timed_windows=True)
     return Simulated(plan, r, window_path(timed, job.pp, job.num_microbatches,
                                           job.virtual_pipeline))

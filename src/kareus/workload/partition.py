@@ -45,14 +45,8 @@ from kareus.job.spec import JobSpec
 from kareus.workload.graph import ExecutionGraph, StageGraph, differing_segments, interleave
 from kareus.workload.layer import backward_ops, forward_ops
 from kareus.workload.ops import Collective, ComputeOp, Op, Segment
+from kareus.workload.slots import Slot, make_slots
 from kareus.workload.training_ops import weight_grad_end
-
-
-@dataclass(frozen=True)
-class Slot:
-    name: str
-    op_index: int
-    """Index in the partition's compute ops of the slot's first op."""
 
 
 @dataclass(frozen=True)
@@ -199,22 +193,6 @@ class InstructionLayout:
 
     def partition_counts(self) -> Counter:
         return Counter(s.key for s in self.steps if s.kind == "partition")
-
-
-def make_slots(ops: tuple[ComputeOp, ...]) -> tuple[Slot, ...]:
-    slots: list[Slot] = []
-    numbers: Counter = Counter()
-    prev_memory = False
-    for i, op in enumerate(ops):
-        is_memory = op.kind == "memory"
-        if (is_memory and prev_memory) or (not op.opens_slot and slots):
-            continue  # consecutive memory-bound ops share the first one's slot; so does a
-            # weight gradient GEMM with its data gradient GEMM
-        cls = op.slot_class
-        slots.append(Slot(f"{cls}_{numbers[cls]}", i))
-        numbers[cls] += 1
-        prev_memory = is_memory
-    return tuple(slots)
 
 
 @dataclass

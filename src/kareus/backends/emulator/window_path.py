@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kareus.backends.emulator.iteration import IterationResult
+from kareus.backends.emulator.iteration_result import IterationResult
 from kareus.core import InstructionId
 from kareus.plans.schedule import rank_order
 
