@@ -15,17 +15,12 @@ CPU runs check numerics and wiring, never time or energy.
 
 from __future__ import annotations
 
-import os
-import socket
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -36,6 +31,7 @@ from kareus.integrations.megatron.cp_attention import (  # noqa: E402
     cp_causal_attention,
     load_balanced,
 )
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 
 SEQ, BATCH, HEADS, GROUPS, D = 8, 2, 4, 2, 8
 
@@ -200,12 +196,6 @@ def test_what_it_cannot_compute_is_refused_at_construction(extra, match):
 # CP=2 over gloo ------------------------------------------------------------------------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _refusal(fn) -> str:
     try:
         fn()
@@ -238,19 +228,15 @@ class _Gathers:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.enums import AttnMaskType
+    # no RNG-tracker seed here: _layer_from_the_spec seeds it before it builds its layers
+    with megatron_ranks(rank, world, port, out_dir, cp=world) as res:
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.enums import AttnMaskType
 
-    from kareus.integrations.megatron.cpu import SDPACoreAttention
-    from kareus.runtime.primitives import GatherSeq
+        from kareus.integrations.megatron.cpu import SDPACoreAttention
+        from kareus.runtime.primitives import GatherSeq
 
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    res: dict = {}
-    try:
         cp, group = world, parallel_state.get_context_parallel_group()
         cfg = _config(context_parallel_size=cp)
         g = torch.Generator().manual_seed(11)  # the same full sequence on every rank
@@ -298,10 +284,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                                                   AttnMaskType.causal)),
         }
         res.update(_layer_from_the_spec(rank, group))
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _layer_from_the_spec(rank: int, group) -> dict:
@@ -357,9 +339,7 @@ def _layer_from_the_spec(rank: int, group) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp_attention")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("cp_attention"))
 
 
 def test_the_module_at_cp_2_equals_full_sequence_attention(results):

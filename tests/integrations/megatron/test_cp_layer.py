@@ -12,7 +12,6 @@ numerics and wiring, never time or energy.
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 
@@ -20,14 +19,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
-from tests.integrations.megatron.test_layer import _layer_run, _port, _rel  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
+from tests.integrations.megatron.test_layer import _layer_run, _rel  # noqa: E402
 
 HIDDEN, HEADS, GROUPS, FFN, SEQ, BATCH = 32, 4, 2, 64, 16, 2
 CP_KEYS = ("fwd_qkv_ag", "fwd_ao_ag", "bwd_o_ag", "bwd_a_ag", "bwd_a_rs", "bwd_qkv_rs")
@@ -117,29 +116,26 @@ class _LateIssues:
         self.schedule.issue_at_end = self.orig
 
 
-def _worker(rank: int, world: int, port: int, tp: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-
-    from kareus.integrations.megatron.cp_attention import KareusCPCoreAttention, load_balanced
-    from kareus.integrations.megatron.cpu import (
-        SDPACoreAttention,
-        rotary_embedding,
-        with_core_attention,
-    )
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-
+def _worker(rank: int, world: int, port: int, out_dir: str, tp: int) -> None:
     cp = world // tp
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {"plans": {}}
-    try:
+    # saved only once the process group is down, and only where everything ran
+    with megatron_ranks(rank, world, port, tp=tp, cp=cp, seed=1234) as res:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+
+        from kareus.integrations.megatron.cp_attention import (
+            KareusCPCoreAttention,
+            load_balanced,
+        )
+        from kareus.integrations.megatron.cpu import (
+            SDPACoreAttention,
+            rotary_embedding,
+            with_core_attention,
+        )
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+
+        res["plans"] = {}
         local = get_gpt_layer_local_spec(normalization="RMSNorm")
         torch.manual_seed(0)
         plain = build_module(with_core_attention(local, SDPACoreAttention),
@@ -188,17 +184,11 @@ def _worker(rank: int, world: int, port: int, tp: int, out_dir: str) -> None:
         r_out, r_dx, r_grads = ref[False]
         res["plain_cp_worst"] = max([_rel(out, mine(r_out)), _rel(dx, mine(r_dx))]
                                     + [_rel(a, b) for a, b in zip(grads, r_grads)])
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _spawn(tmp_path_factory, tp: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"cp_tp{tp}")
-    world = 2 * tp
-    mp.spawn(_worker, args=(world, _port(), tp, str(out)), nprocs=world, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(_worker, 2 * tp, tmp_path_factory.mktemp(f"cp_tp{tp}"), tp)
 
 
 @pytest.fixture(scope="module")

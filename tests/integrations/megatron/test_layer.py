@@ -13,9 +13,6 @@ results.
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import warnings
 
 import pytest
 
@@ -23,13 +20,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
+from tests.integrations.megatron.ranks import _port, megatron_ranks, spawn_ranks  # noqa: E402,F401
 
 HIDDEN, HEADS, GROUPS, FFN, SEQ, BATCH = 64, 4, 2, 128, 16, 4
 JOB = build_job(overrides=dict(
@@ -43,12 +40,6 @@ PLANS = {"no overlap": {k: PartitionSetting(3, None) for k in PARTS}}
 for i in range(MOST_SLOTS):  # every slot of every key, SMs varying
     PLANS[f"slot {i}"] = {k: PartitionSetting(3 * (i + 1), p.slots[min(i, len(p.slots) - 1)]
                                               .name) for k, p in PARTS.items()}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(**extra):
@@ -103,20 +94,12 @@ def _layer_run(layer, x, dy, emb, checkpoint=False, mask=None):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=1234) as res:
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.integrations.megatron.cpu import rotary_embedding
-    from kareus.integrations.megatron.layer import KareusTransformerLayer
+        from kareus.integrations.megatron.cpu import rotary_embedding
+        from kareus.integrations.megatron.layer import KareusTransformerLayer
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {}
-    try:
         cfg = _config()
         plain_spec, kareus_spec = _specs()
         torch.manual_seed(0)
@@ -182,10 +165,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         res.update(_train_gpt(plain_spec, kareus_spec))
         res["refusals"] = _refusals(kareus_spec)
         assert isinstance(kareus, KareusTransformerLayer)
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _refusal(fn) -> str:
@@ -302,9 +281,7 @@ def _refusals(kareus_spec) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("megatron"))
 
 
 def test_the_kareus_spec_builds_megatron_s_own_parameters(results):
@@ -461,20 +438,12 @@ def _finalized_norm_grads(layer) -> list:
 
 
 def _worker_sp(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=1234,
+                        cpu_allocation=True) as res:
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.integrations.megatron.cpu import allocate_on_cpu, rotary_embedding
+        from kareus.integrations.megatron.cpu import rotary_embedding
 
-    allocate_on_cpu()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {}
-    try:
         cfg = _config(sequence_parallel=True)
         plain_spec, kareus_spec = _sp_specs()
         torch.manual_seed(0)
@@ -514,17 +483,11 @@ def _worker_sp(rank: int, world: int, port: int, out_dir: str) -> None:
         res.update(_block_with_megatron_recompute(
             cfg, plain_spec, kareus_spec, x, dy, emb, PARTS_SP, PLANS_SP["slot 1"],
             sequence_parallel=True))
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def sp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_sp")
-    mp.spawn(_worker_sp, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker_sp, 2, tmp_path_factory.mktemp("megatron_sp"))
 
 
 def test_sequence_parallel_plans_equal_megatron_s_sp_layer(sp_results):

@@ -13,16 +13,12 @@ the code under test.
 from __future__ import annotations
 
 import os
-import socket
-import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
@@ -32,6 +28,7 @@ from kareus.plans.execution import ExecutionPlan  # noqa: E402
 from kareus.plans.plan import Plan, TimelineEntry  # noqa: E402
 from kareus.plans.schedule import schedule  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 
 PP, MICROBATCHES, SEQ, BATCH = 2, 4, 16, 4
 JOB = build_job(overrides=dict(
@@ -62,12 +59,6 @@ def _plan() -> Plan:
     return Plan("test-000", "kareus", 10.0, 100.0, ex, timeline=timeline)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _expected(plan_doc: dict, stage: int) -> list[tuple[str, int, int]]:
     """(direction, microbatch, MHz) of the stage, in the timeline's order, from JSON."""
     bars = sorted((e for e in plan_doc["timeline"] if e["stage"] == stage),
@@ -96,24 +87,16 @@ def _settings(plan_doc: dict, stage: int, microbatch: int, direction: str
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=7) as res:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
-    from kareus.integrations.megatron.plan import MegatronPlan
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-    from kareus.runtime.frequency_controller import FrequencyController
+        from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
+        from kareus.integrations.megatron.plan import MegatronPlan
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+        from kareus.runtime.frequency_controller import FrequencyController
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(7, inference_rng_tracker=True)
-    res: dict = {}
-    try:
         cfg = TransformerConfig(
             num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=128, use_cpu_initialization=True, normalization="RMSNorm",
@@ -201,17 +184,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["sp mismatch"] = "accepted"
         except SpecError as exc:
             res["sp mismatch"] = str(exc)
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def driven(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-plan")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out, spawn_ranks(_worker, 2, out)
 
 
 def test_every_clock_is_logged_in_the_timeline_s_order(driven):

@@ -16,8 +16,6 @@ The expected settings and clocks come from the plan's JSON as the test wrote it.
 from __future__ import annotations
 
 import os
-import socket
-import warnings
 
 import pytest
 
@@ -25,7 +23,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
@@ -36,6 +33,7 @@ from kareus.plans.execution import ExecutionPlan  # noqa: E402
 from kareus.plans.plan import Plan, TimelineEntry  # noqa: E402
 from kareus.plans.schedule import schedule  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 
 SEQ, BATCH, HIDDEN = 16, 4, 64
 DIRECTIONS = ("forward", "backward")
@@ -280,74 +278,60 @@ def test_a_timeline_out_of_megatron_s_order_is_refused_in_one_line():
 DRIVEN = [(2, 2, 4, dict(overlap_p2p_comm=True, batch_p2p_comm=False), 2)]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import dataclasses
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=7) as res:
+        import dataclasses
 
-    from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.enums import ModelType
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from kareus.errors import KareusError
-    from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
-    from kareus.integrations.megatron.plan import MegatronPlan
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-    from kareus.runtime.frequency_controller import FrequencyController
+        from kareus.errors import KareusError
+        from kareus.integrations.megatron.cpu import SDPACoreAttention, with_core_attention
+        from kareus.integrations.megatron.plan import MegatronPlan
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+        from kareus.runtime.frequency_controller import FrequencyController
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(7, inference_rng_tracker=True)
-    spec = kareus_layer_spec(with_core_attention(
-        get_gpt_layer_local_spec(normalization="RMSNorm"), SDPACoreAttention))
-    res: dict = {}
+        spec = kareus_layer_spec(with_core_attention(
+            get_gpt_layer_local_spec(normalization="RMSNorm"), SDPACoreAttention))
 
-    def layer_config(pp, vp, **p2p):
-        return TransformerConfig(**_config_fields(
-            pp, vp, num_query_groups=2, ffn_hidden_size=128, normalization="RMSNorm",
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-            params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=2, recompute_granularity="full",
-            recompute_method="uniform", recompute_num_layers=1, **p2p))
+        def layer_config(pp, vp, **p2p):
+            return TransformerConfig(**_config_fields(
+                pp, vp, num_query_groups=2, ffn_hidden_size=128, normalization="RMSNorm",
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                tensor_model_parallel_size=2, recompute_granularity="full",
+                recompute_method="uniform", recompute_num_layers=1, **p2p))
 
-    class Chunk(torch.nn.Module):
-        """A model chunk as Megatron's schedule sees one: its layer, recomputed in the
-        backward (Megatron's full recompute works the same way)."""
+        class Chunk(torch.nn.Module):
+            """A model chunk as Megatron's schedule sees one: its layer, recomputed in the
+            backward (Megatron's full recompute works the same way)."""
 
-        def __init__(self, chunk: int, config, events: list) -> None:
-            super().__init__()
-            self.chunk, self.config, self.events = chunk, config, events
-            self.vp_stage = chunk  # as Megatron's GPTModel has it
-            self.model_type = ModelType.encoder_or_decoder
-            self.layer = build_module(spec, config=config, layer_number=1, vp_stage=chunk)
-            self.layer.register_forward_pre_hook(self._seen)
-            self.input_tensor = None
+            def __init__(self, chunk: int, config, events: list) -> None:
+                super().__init__()
+                self.chunk, self.config, self.events = chunk, config, events
+                self.vp_stage = chunk  # as Megatron's GPTModel has it
+                self.model_type = ModelType.encoder_or_decoder
+                self.layer = build_module(spec, config=config, layer_number=1, vp_stage=chunk)
+                self.layer.register_forward_pre_hook(self._seen)
+                self.input_tensor = None
 
-        def _seen(self, module, _args) -> None:
-            lp = module.kareus_plan
-            self.events.append(("layer", self.chunk, torch.is_grad_enabled(),
-                                {k: (s.sms, s.slot) for k, s in lp.settings.items()}
-                                if lp is not None else None))
+            def _seen(self, module, _args) -> None:
+                lp = module.kareus_plan
+                self.events.append(("layer", self.chunk, torch.is_grad_enabled(),
+                                    {k: (s.sms, s.slot) for k, s in lp.settings.items()}
+                                    if lp is not None else None))
 
-        def set_input_tensor(self, tensors) -> None:
-            self.input_tensor = tensors[0]
+            def set_input_tensor(self, tensors) -> None:
+                self.input_tensor = tensors[0]
 
-        def forward(self, x):
-            h = self.input_tensor if self.input_tensor is not None else x
-            return torch.utils.checkpoint.checkpoint(
-                lambda h: self.layer(h, attention_mask=None)[0], h,
-                use_reentrant=True, preserve_rng_state=False)
+            def forward(self, x):
+                h = self.input_tensor if self.input_tensor is not None else x
+                return torch.utils.checkpoint.checkpoint(
+                    lambda h: self.layer(h, attention_mask=None)[0], h,
+                    use_reentrant=True, preserve_rng_state=False)
 
-    try:
         for pp, vp, mbs, p2p, steps in DRIVEN:
             job, config = _job(pp, vp, mbs), layer_config(pp, vp, **p2p)
             plan = _plan(job)
@@ -408,17 +392,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         refused("missing chunk", lambda: chunks[0](torch.ones(SEQ, BATCH, HIDDEN,
                                                               requires_grad=True)))
         partial.detach()
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def driven(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-plan-interleaved")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out, spawn_ranks(_worker, 2, out)
 
 
 def _settings(doc: dict, parts, iid, mark: str) -> dict[str, tuple[int, str]]:

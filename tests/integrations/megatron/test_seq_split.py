@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import warnings
 
 import pytest
 
@@ -25,10 +23,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 from tests.integrations.megatron.test_layer import (  # noqa: E402
     HEADS,
     HIDDEN,
@@ -39,7 +37,6 @@ from tests.integrations.megatron.test_layer import (  # noqa: E402
     _config,
     _Counter,
     _layer_run,
-    _port,
     _refusal,
     _rel,
     _specs,
@@ -52,21 +49,13 @@ SEQ_PLANS["mixed"] = {k: PartitionSetting(5 if k.startswith("fwd") else 9,
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=1234) as res:
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.integrations.megatron.cpu import rotary_embedding
-    from kareus.integrations.megatron.seq_split import MegatronSeqOps
-    from kareus.runtime.overlap_tp import OverlappedTP
+        from kareus.integrations.megatron.cpu import rotary_embedding
+        from kareus.integrations.megatron.seq_split import MegatronSeqOps
+        from kareus.runtime.overlap_tp import OverlappedTP
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {}
-    try:
         cfg = _config()
         plain_spec, kareus_spec = _specs()
         torch.manual_seed(0)
@@ -145,10 +134,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         res["refusals"] = _refusals(kareus_spec, x1, dy1, emb)
         kareus.set_kareus_plan(None)
         res.update(_block_with_megatron_recompute(cfg, plain_spec, kareus_spec, x1, dy1, emb))
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _refusals(kareus_spec, x, dy, emb) -> dict:
@@ -173,9 +158,7 @@ def _refusals(kareus_spec, x, dy, emb) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_seq")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("megatron_seq"))
 
 
 def test_every_plan_at_micro_batch_1_equals_megatron_s_unsplit_layer(results):

@@ -14,22 +14,19 @@ causal one (its unfused backend). Nothing here runs TE's kernels, NCCL or a GPU.
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 from tests.integrations.megatron.te_standin import te_attention  # noqa: E402
 from tests.integrations.megatron.test_layer import (  # noqa: E402
     FFN,
@@ -40,7 +37,6 @@ from tests.integrations.megatron.test_layer import (  # noqa: E402
     _block_with_megatron_recompute,
     _Counter,
     _layer_run,
-    _port,
     _refusal,
     _rel,
 )
@@ -69,23 +65,15 @@ def _record(calls: list):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=1234) as res:
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.integrations.megatron.cpu import rotary_embedding
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-    from tests.integrations.megatron.te_standin import TEDotProductAttention, te_spec
+        from kareus.integrations.megatron.cpu import rotary_embedding
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+        from tests.integrations.megatron.te_standin import TEDotProductAttention, te_spec
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {}
-    plain_spec = te_spec(TEDotProductAttention)
-    kareus_spec = kareus_layer_spec(plain_spec)
-    try:
+        plain_spec = te_spec(TEDotProductAttention)
+        kareus_spec = kareus_layer_spec(plain_spec)
         g = torch.Generator().manual_seed(11)
         x = torch.randn(SEQ, 1, HIDDEN, generator=g)
         dy = torch.randn(SEQ, 1, HIDDEN, generator=g)
@@ -136,10 +124,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         res.update(_block_with_megatron_recompute(
             None, plain_spec, kareus_spec, x, dy, emb, parts=PARTS, knobs=PLANS["slot 2"],
             bias_dropout_fusion=False))
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _with_a_mask(plain, kareus, calls, x, dy, emb, ref) -> dict:
@@ -165,9 +149,7 @@ def _with_a_mask(plain, kareus, calls, x, dy, emb, ref) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_seq_te")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("megatron_seq_te"))
 
 
 @pytest.mark.parametrize("flags", sorted(FLAGS))

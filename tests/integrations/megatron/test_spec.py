@@ -11,18 +11,14 @@ the tests read its results. Building is all this needs: nothing runs on CUDA.
 
 from __future__ import annotations
 
-import os
-import socket
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 
 COMMON = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
               use_cpu_initialization=True, params_dtype=torch.float32,
@@ -37,12 +33,6 @@ FLAGS = {
     # GPT: LayerNorm, biases, GeLU
     "gpt": dict(normalization="LayerNorm", add_bias_linear=True),
 }
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _refusal(fn) -> str:
@@ -80,27 +70,19 @@ def _compare(cfg, megatron_spec, kareus_spec) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=1)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    with megatron_ranks(rank, world, port, out_dir, tp=1, seed=1234) as res:
+        from megatron.core.models.gpt import gpt_layer_specs
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import import_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from kareus.integrations.megatron import spec as kspec
+        from kareus.integrations.megatron import spec as kspec
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    from megatron.core.transformer.spec_utils import import_module
-
-    res: dict = {"have_te": gpt_layer_specs.HAVE_TE,
-                 # what Megatron-LM's --spec MODULE NAME calls
-                 "imported": import_module(("kareus.integrations.megatron.spec", "layer_spec"))
-                 is kspec.layer_spec}
-    try:
+        res["have_te"] = gpt_layer_specs.HAVE_TE
+        # what Megatron-LM's --spec MODULE NAME calls
+        res["imported"] = (import_module(("kareus.integrations.megatron.spec", "layer_spec"))
+                           is kspec.layer_spec)
         for name, flags in FLAGS.items():
             cfg = TransformerConfig(**COMMON, **flags)
             # what Megatron-LM's builder calls without --spec (local implementation)
@@ -129,17 +111,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             res["refused"]["te"] = _refusal(lambda: _model(TransformerConfig(
                 **{**COMMON, "transformer_impl": "transformer_engine"}, **FLAGS["llama"]),
                 kspec.layer_spec))
-    finally:
-        torch.save(res, os.path.join(out_dir, "rank0.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("spec")
-    mp.spawn(_worker, args=(_port(), str(out)), nprocs=1, join=True)
-    return torch.load(out / "rank0.pt", weights_only=False)
+    return spawn_ranks(_worker, 1, tmp_path_factory.mktemp("spec"))[0]
 
 
 @pytest.mark.parametrize("name", sorted(FLAGS))

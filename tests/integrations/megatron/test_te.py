@@ -14,7 +14,6 @@ modules is refused in one line. Nothing here says anything about TE's kernels on
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest
@@ -23,10 +22,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 from tests.integrations.megatron.test_layer import (  # noqa: E402
     BATCH,
     FFN,
@@ -40,7 +39,6 @@ from tests.integrations.megatron.test_layer import (  # noqa: E402
     SEQ,
     _Counter,
     _layer_run,
-    _port,
     _refusal,
     _rel,
 )
@@ -63,24 +61,16 @@ def _config(**flags):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=1234) as res:
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.integrations.megatron import te
-    from kareus.integrations.megatron.cpu import SDPACoreAttention, rotary_embedding
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-    from tests.integrations.megatron.te_standin import te_spec
+        from kareus.integrations.megatron import te
+        from kareus.integrations.megatron.cpu import SDPACoreAttention, rotary_embedding
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+        from tests.integrations.megatron.te_standin import te_spec
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {}
-    plain_spec = te_spec(SDPACoreAttention)
-    kareus_spec = kareus_layer_spec(plain_spec)
-    try:
+        plain_spec = te_spec(SDPACoreAttention)
+        kareus_spec = kareus_layer_spec(plain_spec)
         for name, flags in FLAGS.items():
             cfg = _config(**flags)
             torch.manual_seed(0)
@@ -131,10 +121,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             kareus.set_kareus_plan(None)
             res[name] = out
         res["refusals"] = _refusals(kareus_spec, build_module, te)
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _refusals(kareus_spec, build_module, te) -> dict:
@@ -166,9 +152,7 @@ def _refusals(kareus_spec, build_module, te) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_te")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("megatron_te"))
 
 
 @pytest.mark.parametrize("flags", sorted(FLAGS))
@@ -290,28 +274,16 @@ def _sums(layer, run) -> list:
 
 
 def _worker_sp(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, tp=2, seed=1234,
+                        cpu_allocation=True) as res:
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.integrations.megatron.cpu import (
-        SDPACoreAttention,
-        allocate_on_cpu,
-        rotary_embedding,
-    )
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-    from tests.integrations.megatron.te_standin import te_spec
+        from kareus.integrations.megatron.cpu import SDPACoreAttention, rotary_embedding
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+        from tests.integrations.megatron.te_standin import te_spec
 
-    allocate_on_cpu()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {}
-    plain_spec = te_spec(SDPACoreAttention)
-    kareus_spec = kareus_layer_spec(plain_spec)
-    try:
+        plain_spec = te_spec(SDPACoreAttention)
+        kareus_spec = kareus_layer_spec(plain_spec)
         for name, flags in FLAGS.items():
             cfg = _config(sequence_parallel=True, **flags)
             torch.manual_seed(0)
@@ -363,17 +335,11 @@ def _worker_sp(rank: int, world: int, port: int, out_dir: str) -> None:
             out["unset"] = max(_rel(a, b) for a, b in
                                zip(_layer_run(kareus, x, dy, emb), ref))
             res[name] = out
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def sp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_te_sp")
-    mp.spawn(_worker_sp, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker_sp, 2, tmp_path_factory.mktemp("megatron_te_sp"))
 
 
 @pytest.mark.parametrize("flags", sorted(FLAGS))

@@ -9,22 +9,19 @@ sequence. Nothing here runs TE's ring, NCCL or a GPU.
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kareus.core import PartitionSetting  # noqa: E402
 from kareus.job.sources import build_job  # noqa: E402
 from kareus.runtime.layer_plan import LayerPlan  # noqa: E402
 from kareus.workload.workload import Workload  # noqa: E402
+from tests.integrations.megatron.ranks import megatron_ranks, spawn_ranks  # noqa: E402
 from tests.integrations.megatron.test_cp_layer import (  # noqa: E402
     BATCH,
     FFN,
@@ -32,7 +29,6 @@ from tests.integrations.megatron.test_cp_layer import (  # noqa: E402
     HEADS,
     HIDDEN,
     SEQ,
-    _port,
     _rel,
     _run,
 )
@@ -68,23 +64,17 @@ def _config(cp: int, cp_comm_type: str | None):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
+    with megatron_ranks(rank, world, port, out_dir, cp=2, seed=1234) as res:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.spec_utils import build_module
 
-    from kareus.errors import SpecError
-    from kareus.integrations.megatron.cp_attention import load_balanced
-    from kareus.integrations.megatron.cpu import SDPACoreAttention, rotary_embedding
-    from kareus.integrations.megatron.spec import kareus_layer_spec
-    from tests.integrations.megatron.te_standin import TEDotProductAttention, te_spec
+        from kareus.errors import SpecError
+        from kareus.integrations.megatron.cp_attention import load_balanced
+        from kareus.integrations.megatron.cpu import SDPACoreAttention, rotary_embedding
+        from kareus.integrations.megatron.spec import kareus_layer_spec
+        from tests.integrations.megatron.te_standin import TEDotProductAttention, te_spec
 
-    parallel_state.initialize_model_parallel(context_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    res: dict = {"worst": {}}
-    try:
+        res["worst"] = {}
         torch.manual_seed(0)
         full = build_module(te_spec(SDPACoreAttention), config=_config(1, None),
                             layer_number=1)
@@ -129,17 +119,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 res[what] = "accepted"
             except SpecError as exc:
                 res[what] = str(exc)
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("te_cp")
-    mp.spawn(_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("te_cp"))
 
 
 def test_a_p2p_job_has_the_tp_partitions_only():
