@@ -95,14 +95,12 @@ CONSTANTS: tuple[Constant, ...] = (
 
 
 NOT_VARIED: dict[str, str] = {name: (
-    "the headline's partitions are measured in loops whose host keeps ahead (none is "
-    "host-bound), so varying it would only repeat the nominal; its range is shown on "
-    "simulated iterations by benchmarks/emulator_v4_attribution.py (docs/emulator.md, "
-    "\"The host\")")
+    "the composed headline has no host (partitions are measured in loops whose host keeps "
+    "ahead), so varying it would only repeat the nominal; its range is shown on simulated "
+    "iterations by benchmarks/emulator_v4_attribution.py (docs/emulator.md, \"The host\")")
     for name in HOST_PARAMS}
-"""Emulator constants with a plausible range that `--sensitivity` does not vary: none moves
-the headline's (paper) workloads, whose partitions are not host-bound, and each would cost
-two recompositions per preset."""
+"""Emulator constants with a plausible range that `--sensitivity` does not vary: none can
+move the headline, and each would cost two recompositions per preset."""
 
 
 def _known_fields() -> set[str]:

@@ -264,31 +264,3 @@ def test_waits_are_the_least_that_respect_the_issue_times(ops, lag):
     assert end == pytest.approx(issued - start, abs=1e-15)
     # the GPU waits at least as much as the host is behind at its worst
     assert sum(waits) >= lag + plan.hidden_below_s - 1e-15
-
-
-def test_a_host_bound_loop_waits_for_its_host_every_run():
-    """A loop of runs whose host time exceeds the GPU's (by hand: issue 10+10, GPU 3+3)
-    waits for the host in every run: the stationary lag gives waits of H - G per run, so
-    a run takes the host's time; a loop whose GPU time exceeds the host's keeps the host
-    ahead (no lag at all)."""
-    bound = HostPlan.of((10.0, 10.0), (3.0, 3.0))
-    lag = bound.loop_lag()
-    assert lag == pytest.approx(-3.0)
-    waits, end = bound.waits(lag)
-    assert end == pytest.approx(lag) and sum(waits) == pytest.approx(20.0 - 6.0)
-    assert HostPlan.of((1.0, 1.0), (3.0, 3.0)).loop_lag() is None
-
-
-def test_a_measured_partition_of_tiny_kernels_takes_its_host_time(k1_job):
-    """A profiling loop of tiny kernels is host-bound: its measurement is the host's time
-    per run (a module call per GEMM), not the kernels'; large kernels measure as before."""
-    tiny = (gemm("qkv", 64, 64, 64), gemm("out_proj", 64, 64, 64))
-    with_host = _backend(k1_job).predict_ops(tiny, 1410).time_s
-    no_host = _backend(k1_job, host_module_s=0.0, host_basic_op_s=0.0).predict_ops(
-        tiny, 1410).time_s
-    module_s = default_params(k1_job.gpu_spec).host_module_s
-    assert no_host < module_s
-    assert with_host == pytest.approx(2 * module_s, rel=1e-6)
-    big = (gemm("fc1", 8192, 8192, 8192),)
-    assert _backend(k1_job).predict_ops(big, 1410).time_s == pytest.approx(
-        _backend(k1_job, host_module_s=0.0).predict_ops(big, 1410).time_s, rel=1e-12)

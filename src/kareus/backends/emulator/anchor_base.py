@@ -45,9 +45,6 @@ def backend_for(gpu: str, calibration: str | Path | None, loop: bool = False
     spec = get_gpu(gpu)
     # a calibration file fitted for another GPU must not be applied to this one
     params = load_params(spec, calibration if for_gpu(calibration, spec.name) else None)
-    # a kernel benchmark's loop calls the kernel itself, not a framework's module: each
-    # kernel costs its host one basic op (host.py), never a module call
-    params = replace(params, host_module_s=params.host_basic_op_s)
     if loop:
         params = replace(params, gemm_tile_plan_sms=spec.sm_count, limiter_tau_s=0.0)
     return EmulatorBackend(gpu=spec, params=params)

@@ -43,9 +43,9 @@ def is_backward(op: Op) -> bool:
 
 
 HOST_PARAMS = ("host_module_s", "host_basic_op_s", "host_backward_scale")
-"""The `EmulatorParams` fields of the host (`HostCosts.of`), in its fields' order. A
-measurement loop keeps its host ahead unless the run is host-bound (`HostPlan.loop_lag`):
-only host-bound runs, tiny kernels, carry them into composition."""
+"""The `EmulatorParams` fields of the host (`HostCosts.of`), in its fields' order: only
+simulated iterations read them, never a measurement (its loop keeps its host ahead), so
+never composition."""
 
 
 @dataclass(frozen=True)
@@ -102,21 +102,6 @@ class HostPlan:
 
     def hidden(self, lag_s: float) -> bool:
         return lag_s <= -self.hidden_below_s
-
-    def loop_lag(self) -> float | None:
-        """The host's lag at the start of each run where the run repeats back to back (a
-        measurement loop): None where the host's time per run is below the GPU's (it gains
-        on every run and is soon ahead for good), else the stationary lag of a host-bound
-        loop, the GPU waiting for the host in every run."""
-        if self.drift_s < 0:
-            return None
-        lag = 0.0
-        for _ in range(16):  # a wait resets the lag: stationary within a run or two
-            _waits, end = self.waits(lag)
-            if abs(end - lag) <= 1e-15:
-                break
-            lag = end
-        return lag
 
     def waits(self, lag_s: float) -> tuple[tuple[float, ...] | None, float]:
         """The GPU's wait before each op (None: none anywhere) and the lag at the end,

@@ -18,10 +18,8 @@ continuous simulation carries one `LimiterState` across runs (docs/emulator.md).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from kareus.backends.emulator.intervals import Item
 from kareus.backends.emulator.limiter import LimiterState
@@ -34,11 +32,6 @@ __all__ = ["KERNEL_CLASSES", "Item", "LimiterState", "RunResult", "Timeline"]
 
 def _fields(r: RunResult) -> tuple[float, float, float, float, float]:
     return (r.time_s, r.energy_j, r.freq_time_mhz_s, r.compute_end_s, r.overlap_s)
-
-
-def _without_lag(r: RunResult) -> RunResult:
-    """A measurement's result: the host's lag of a loop's run is not a measurement's."""
-    return r if r.host_lag_s is None else replace(r, host_lag_s=None)
 
 
 def _from_fields(values: Sequence[float]) -> RunResult:
@@ -84,17 +77,10 @@ class Timeline(StreamRunner):
         args = (ops, freq_mhz, side, side_sms, launch_index, blocking_sms)
         lim = self.limiter
         run = self.run_stepwise if reference else self.run
-        # the loop's host: ahead (None) unless the run is host-bound, then the GPU waits
-        # for it in every run, from its stationary lag (host.py)
-        lag = self.host_plan(ops, float(freq_mhz), blocking_sms).loop_lag()
-        waits = None
-        if lag is not None:
-            run = functools.partial(run, host_lag_s=lag)
-            waits = self.host_plan(ops, float(freq_mhz), blocking_sms).waits(lag)[0]
         if lim is None:
-            return _without_lag(run(*args))
+            return run(*args)
         at_set = None if reference else self.profile(
-            (tuple(ops), side, side_sms, launch_index, blocking_sms, waits), float(freq_mhz))
+            (tuple(ops), side, side_sms, launch_index, blocking_sms, None), float(freq_mhz))
         # from an idle GPU (cap above the set clock) the first run is the profile at the
         # set clock unless its average crosses the limit on the way
         if at_set is not None and self._stays_under(at_set, self.static_power_w):
@@ -102,9 +88,9 @@ class Timeline(StreamRunner):
         else:
             at_set, first = None, run(*args)
         if first.time_s <= 0:
-            return _without_lag(first)
+            return first
         if first.time_s * self.MEAN_FIELD_RUNS_PER_TICK <= lim.tick_s:
-            return _without_lag(self._mean_field(args, first, run))
+            return self._mean_field(args, first, run)
         avg0 = first.energy_j / first.time_s
         if at_set is not None and self._never_throttled(at_set, avg0):
             return _from_fields(_fields(first))
