@@ -377,3 +377,36 @@ def test_no_handler_in_src_swallows_signals():
                        for stmt in node.body for n in ast.walk(stmt)):
                 bad.append(f"{path.relative_to(src)}:{node.lineno}")
     assert not bad, bad
+
+
+@pytest.mark.parametrize("signal_exc, code, line", [
+    ("terminated", 143, "kareus: terminated\n"), ("interrupt", 130, "kareus: interrupted\n")])
+def test_a_signal_inside_an_import_still_stops_with_its_line(monkeypatch, capsys, signal_exc,
+                                                             code, line):
+    """SIGTERM or Ctrl-C landing inside a C extension's import (highspy's, imported for the
+    first time mid-solve) reaches `main` wrapped in an ImportError: it is still the signal,
+    with its exit status and one line, not a traceback."""
+    import kareus.cli as cli
+
+    def app(*_args, **_kwargs):
+        try:
+            raise cli.Terminated() if signal_exc == "terminated" else KeyboardInterrupt()
+        except (cli.Terminated, KeyboardInterrupt) as stop:
+            raise ImportError("initialization failed") from stop
+
+    monkeypatch.setattr(cli, "app", app)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["optimize"])
+    assert done.value.code == code
+    assert capsys.readouterr().err == line
+
+
+def test_other_errors_are_not_taken_for_a_signal(monkeypatch):
+    import kareus.cli as cli
+
+    def app(*_args, **_kwargs):
+        raise ImportError("no module named nothing")
+
+    monkeypatch.setattr(cli, "app", app)
+    with pytest.raises(ImportError):
+        cli.main(["optimize"])

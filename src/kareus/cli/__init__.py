@@ -76,8 +76,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         _interrupted()
     except Terminated:
-        sys.stderr.write("kareus: terminated\n")
-        sys.exit(143)
+        _terminated()
+    except Exception as exc:
+        # a signal that lands inside a C extension's import (highspy's, first used mid-
+        # solve) comes back wrapped in the import's error: it is still the signal
+        stop = _signal_behind(exc)
+        if stop is None:
+            raise
+        if isinstance(stop, Terminated):
+            _terminated()
+        _interrupted()
     finally:
         for sig, handler in previous.items():
             if handler is not None:  # None: not set from Python, cannot be put back
@@ -85,6 +93,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     if rv == 130 and _Interrupted.seen:
         _interrupted()
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _signal_behind(exc: BaseException) -> BaseException | None:
+    """The SIGTERM (`Terminated`) or Ctrl-C (`KeyboardInterrupt`) that ``exc`` was raised
+    from or while handling, if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (Terminated, KeyboardInterrupt)):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _terminated() -> NoReturn:
+    sys.stderr.write("kareus: terminated\n")
+    sys.exit(143)
 
 
 def _interrupted() -> NoReturn:
