@@ -8,7 +8,7 @@ For each job and seed, on the emulator with measurement noise (default 3%):
   change;
 - "after": the default profile: the searches informed by the nominal emulator
   (`SearchConfig.informed`: budget 40, batches of 5), the steps measured at three clocks
-  and fitted through the same prior where it holds (kareus.workflows.prior_fit, else
+  and fitted through the same prior where it holds (kareus.profiling.prior_fit, else
   step_fit's own shape), costed with the settle inside the cooldown
   (kareus.backends.nvml); and its dry-run estimate against the cost the run recorded;
 - per method, the frontier `kareus optimize --measurements` composes from each journal:
@@ -119,12 +119,12 @@ def other_gpu_calibration(job, path: str) -> str:
 def one(preset: str, seed: int, noise: float, gpu: str) -> dict:
     from kareus.backends.emulator.spec import EmulatorSpec
     from kareus.job.sources import build_job
+    from kareus.profiling.estimate import estimate_profile
+    from kareus.profiling.executors import ExecutorSpec
+    from kareus.profiling.profile import profile
+    from kareus.profiling.step_fit import FitPolicy
     from kareus.search.loop import SearchConfig
-    from kareus.workflows.executors import ExecutorSpec
     from kareus.workflows.optimize import optimize
-    from kareus.workflows.profile import profile
-    from kareus.workflows.profile_estimate import estimate_profile
-    from kareus.workflows.step_fit import FitPolicy
     from kareus.workload.workload import Workload
 
     wl = Workload.build(build_job(preset))

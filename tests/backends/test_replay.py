@@ -9,9 +9,9 @@ from kareus.backends.replay import open_replay
 from kareus.core import Knobs
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
+from kareus.profiling.executors import ExecutorSpec
 from kareus.search import SearchConfig
 from kareus.store import Journal
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
 from kareus.workload.workload import Workload
 

@@ -7,8 +7,8 @@ import pytest
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
 from kareus.plans.methods import Method, all_methods, get_method, register, registered
+from kareus.profiling.executors import ExecutorSpec
 from kareus.search import SearchConfig
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
 
 TOY = Method("toy", "Toy method", clocks="search", options=("sequential",), overlap=False,

@@ -11,10 +11,10 @@ import pytest
 from kareus.core.atomic import mark
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
+from kareus.profiling.executors import ExecutorSpec
 from kareus.results.resultdir import MARKER, ResultDir
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
 from tests.conftest import run_cli
 

@@ -68,7 +68,7 @@ def test_profile_then_measurements_each_build_once_and_compose_once(counted, tmp
                 journal, "--json")
     assert r.code == 0, r.err
     # two composers: the cost estimate's lists the steps' needs before anything runs
-    # (kareus.workflows.profile_estimate), the profile's measures them and composes
+    # (kareus.profiling.estimate), the profile's measures them and composes
     _once(counts, recipes, composers=2)
     counts.update({k: 0 for k in counts})
     recipes.clear()

@@ -4,9 +4,9 @@ import pytest
 
 from kareus.job.sources import build_job
 from kareus.plans.plan import DEADLINE_TOLERANCE_S
+from kareus.profiling.executors import ExecutorSpec
 from kareus.search import SearchConfig
 from kareus.store import job_id
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
 from tests.conftest import run_cli
 

@@ -11,10 +11,10 @@ import kareus.workflows.sensitivity as sensitivity
 from kareus import SCHEMA_VERSION
 from kareus.errors import SpecError
 from kareus.job.sources import build_job
+from kareus.profiling.executors import ExecutorSpec
 from kareus.results.sensitivity_report import sensitivity_markdown
 from kareus.search import SearchConfig
 from kareus.workflows.compare import METRIC_COLUMNS, run_suite
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import optimize
 from kareus.workflows.sensitivity import (
     Constant,

@@ -126,7 +126,7 @@ class JournaledBackend(WrappedBackend):
     @property
     def fitted_used(self) -> list[Need]:
         """The answers that were fitted numbers from the journal (not measurements), in
-        order (kareus.workflows.step_fit)."""
+        order (kareus.profiling.step_fit)."""
         return list(self._fitted_used)
 
     def fitted_error(self, need: Need) -> tuple[float, float] | None:

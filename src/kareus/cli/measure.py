@@ -22,9 +22,9 @@ from kareus.core.pareto import pareto_mask
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import get_method
+from kareus.profiling.executors import ExecutorSpec, search_partitions
 from kareus.search.loop import SearchConfig
 from kareus.search.space import KnobSpace
-from kareus.workflows.executors import ExecutorSpec, search_partitions
 from kareus.workload.workload import Workload
 
 

@@ -12,10 +12,10 @@ from kareus.cli.options import float_option, seed_option, with_backend, with_exe
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import ISO_REFERENCE, display_name
 from kareus.plans.units import format_energy_j, format_time_s
+from kareus.profiling.executors import ExecutorSpec
 from kareus.results.result import OptimizeResult
 from kareus.search.loop import SearchConfig
 from kareus.workflows.compare import prepare_suite
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import prepare_optimize
 from kareus.workflows.progress import ProgressBars
 from kareus.workflows.sensitivity import CONSTANTS, SensitivitySpec

@@ -18,7 +18,7 @@ from kareus.backends.registry import (
 )
 from kareus.core import MeasurementProtocol
 from kareus.errors import SpecError
-from kareus.workflows.executors import ExecutorSpec
+from kareus.profiling.executors import ExecutorSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -11,15 +11,15 @@ from kareus.cli.app import JsonFlag, app, console, print_json, stderr_console, t
 from kareus.cli.job import with_job
 from kareus.cli.options import float_option, with_backend, with_executor
 from kareus.job.spec import JobSpec
+from kareus.profiling.cost import CostSummary
+from kareus.profiling.executors import ExecutorSpec, prepare_search
+from kareus.profiling.profile import DEFAULT_PRIOR, ProfileResult
+from kareus.profiling.step_fit import FitPolicy
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
-from kareus.workflows.executors import ExecutorSpec, prepare_search
-from kareus.workflows.profile import DEFAULT_PRIOR, ProfileResult
-from kareus.workflows.profile_cost import CostSummary
 from kareus.workflows.profiling import ProfileRun, prepare_profile
 from kareus.workflows.progress import ProgressBars
-from kareus.workflows.step_fit import FitPolicy
 from kareus.workload.workload import Workload
 
 

@@ -1,2 +1,3 @@
-"""The commands' library functions: optimize, profile (local and Ray), executors,
-compare, sensitivity, the Perseus import."""
+"""The commands' steps: optimize, profile, compare, sensitivity, the Perseus import, the
+power-limited baseline, the like-for-like anchors. What measures lives in
+`kareus.profiling`."""

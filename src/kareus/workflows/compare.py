@@ -30,11 +30,11 @@ from kareus.plans.methods import (
     get_method,
     left_out_line,
 )
+from kareus.profiling.executors import ExecutorSpec
 from kareus.results.report import figure_frontiers, frontier_figure, iso_power_markdown
 from kareus.results.resultdir import ResultDir
 from kareus.results.sensitivity_report import range_note, sensitivity_markdown
 from kareus.search.loop import SearchConfig
-from kareus.workflows.executors import ExecutorSpec
 from kareus.workflows.optimize import OptimizeRun, check_optimize
 from kareus.workflows.sensitivity import (
     HEADLINE_METHOD,

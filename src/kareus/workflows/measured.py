@@ -20,7 +20,7 @@ from kareus.workload.workload import Workload
 
 def fitted_summary(replay: JournaledBackend) -> dict[str, Any]:
     """How many of the numbers composition used were fitted rather than measured
-    (kareus.workflows.step_fit), and the largest held-out error of their fits."""
+    (kareus.profiling.step_fit), and the largest held-out error of their fits."""
     errors = [e for n in replay.fitted_used if (e := replay.fitted_error(n)) is not None]
     return {"count": len(errors),
             "max_time_rel_error": max((abs(t) for t, _e in errors), default=0.0),

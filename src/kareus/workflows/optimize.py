@@ -47,14 +47,14 @@ from kareus.plans.methods import (
 from kareus.plans.metrics import method_metrics
 from kareus.plans.plan import Plan
 from kareus.plans.power import plan_power
+from kareus.profiling.executors import ExecutorSpec, TaskProgress, make_tasks, run_tasks
+from kareus.profiling.profile import DEFAULT_PRIOR, check_profile, profile, torchrun_rank
 from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
 from kareus.store import Journal, job_id
-from kareus.workflows.executors import ExecutorSpec, TaskProgress, make_tasks, run_tasks
 from kareus.workflows.measured import fitted_summary, measured_composer, refuse_missing
 from kareus.workflows.power_limited import iso_power, power_limited_megatron
-from kareus.workflows.profile import DEFAULT_PRIOR, check_profile, profile, torchrun_rank
 from kareus.workload.workload import Workload
 
 Solved = dict[str, list[PipelinePoint]]

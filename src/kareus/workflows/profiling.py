@@ -1,6 +1,6 @@
 """`kareus profile`: its inputs checked before any work starts (and before any progress
 shows), then the profile run in this process (under torchrun: this rank of the group) or
-on a Ray cluster (kareus.workflows.profile_ray)."""
+on a Ray cluster (kareus.profiling.ray_driver)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from dataclasses import dataclass, field
 from kareus.backends.registry import BackendSpec, check_prior
 from kareus.core.lock import Lock
 from kareus.errors import SpecError
-from kareus.search.loop import SearchConfig
-from kareus.workflows.executors import ExecutorSpec, check_journal, journal_lock
-from kareus.workflows.profile import (
+from kareus.profiling.cost import CostSummary
+from kareus.profiling.estimate import estimate_profile
+from kareus.profiling.executors import ExecutorSpec, check_journal, journal_lock
+from kareus.profiling.profile import (
     ProfileProgress,
     ProfileResult,
     check_profile,
     profile,
     torchrun_rank,
 )
-from kareus.workflows.profile_cost import CostSummary
-from kareus.workflows.profile_estimate import estimate_profile
-from kareus.workflows.profile_ray import profile_ray
-from kareus.workflows.step_fit import FitPolicy
+from kareus.profiling.ray_driver import profile_ray
+from kareus.profiling.step_fit import FitPolicy
+from kareus.search.loop import SearchConfig
 from kareus.workload.workload import Workload
 
 PROFILE_STRATEGIES = ("mbo", "exhaustive")

@@ -6,14 +6,14 @@ import pytest
 from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
-from kareus.search import SearchConfig
-from kareus.store import Journal, job_id
-from kareus.workflows.executors import (
+from kareus.profiling.executors import (
     ExecutorSpec,
     journal_lock,
     make_task,
     run_tasks,
 )
+from kareus.search import SearchConfig
+from kareus.store import Journal, job_id
 from tests.conftest import run_cli
 
 JOB = build_job("kareus-1")
@@ -161,7 +161,7 @@ def test_a_journal_reached_through_a_link_has_the_lock_of_its_file(tmp_path, com
 
 def test_a_pool_never_starts_more_processes_than_tasks(monkeypatch):
     """A pool starts all of its workers at once (issue 34: --workers was unbounded)."""
-    import kareus.workflows.executors as executors
+    import kareus.profiling.executors as executors
 
     started = []
     monkeypatch.setattr(executors, "_run_pool",

@@ -1,7 +1,7 @@
 """Steps outside partitions fitted through a prior: the curve's shape from a cost model,
 its level from two measured clocks (issue 25).
 
-`kareus.workflows.step_fit` fits a step's series with a shape of its own (time ``a + b/f``,
+`kareus.profiling.step_fit` fits a step's series with a shape of its own (time ``a + b/f``,
 dynamic energy a quadratic in f), which takes five measured clocks and a sixth held out.
 A cost model of the GPU (the emulator, nominal or calibrated) already knows the shape of
 each step in the clock: its SM-bound and memory-bound parts, its collectives, its power.
@@ -15,7 +15,7 @@ median absolute value over 0.6745; a step whose ratio bends has a large error of
 which must not loosen its own check). A series that fails, or whose range free of the
 power limiter is too short to fit, goes back to step_fit's own shape. Clocks the limiter
 holds (as the prior predicts, or as measured) are measured, never fitted
-(`kareus.workflows.step_fit._fit_through_prior`).
+(`kareus.profiling.step_fit._fit_through_prior`).
 
 Three measurements a series instead of six. A prior that is wrong in kind for some step
 costs the fallback's measurements for that step, never a wrong number: a step is fitted

@@ -1,4 +1,4 @@
-"""What a profile costs (kareus.workflows.profile_cost, profile_estimate): the expected
+"""What a profile costs (kareus.profiling.cost, profile_estimate): the expected
 clock changes of a batch against a Monte Carlo count; on the emulator, `kareus profile
 --dry-run` measures and writes nothing and estimates what the run then records (in the
 journal's profile_runs and in its result); --max-hours refuses a profile over it before
@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kareus.job.sources import build_job
+from kareus.profiling.cost import expected_clock_changes
 from kareus.store import Journal, job_id
-from kareus.workflows.profile_cost import expected_clock_changes
 from tests.conftest import run_cli
 
 # kareus-1 with its 18 default clocks; few microbatches and a small budget keep it quick

@@ -12,11 +12,11 @@ from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.backends.journaled import JournaledBackend
 from kareus.job.sources import build_job
+from kareus.profiling.executors import journal_lock
+from kareus.profiling.profile import COMPOSITION, composition_needs, profile
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
-from kareus.workflows.executors import journal_lock
 from kareus.workflows.optimize import optimize
-from kareus.workflows.profile import COMPOSITION, composition_needs, profile
 from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 

@@ -15,11 +15,11 @@ from kareus.core import MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.sources import build_job
 from kareus.job.spec import validate_job
+from kareus.profiling.profile import COMPOSITION
+from kareus.profiling.ray_driver import DIE_ENV, profile_ray
 from kareus.ray_support import import_ray
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
-from kareus.workflows.profile import COMPOSITION
-from kareus.workflows.profile_ray import DIE_ENV, profile_ray
 from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 

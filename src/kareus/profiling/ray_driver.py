@@ -2,7 +2,7 @@
 
 A partition is a unit: a STRICT_PACK placement group (one node) with a bundle per rank
 (``{"GPU": 1, "CPU": 1}``, or ``{"CPU": 1}`` off GPUs), an actor per bundle; the actors set
-up their own process group and search as `kareus.workflows.profile.profile` does under torchrun.
+up their own process group and search as `kareus.profiling.profile.profile` does under torchrun.
 Units run in parallel as resources allow. The journal stays on the driver: ranks read a
 snapshot (`ProxyJournal`) and send writes to a queue the driver drains and commits as it
 waits. A unit whose actor or node dies, or that is not placed in time, is retried from a
@@ -30,19 +30,19 @@ from kareus.backends.registry import BackendSpec, check_prior, open_prior
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
-from kareus.ray_support import import_ray, ray_session
-from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.store import Journal, StoredSample
-from kareus.workflows.executors import ExecutorSpec
-from kareus.workflows.profile import (
+from kareus.profiling.cost import StepsOutcome
+from kareus.profiling.executors import ExecutorSpec
+from kareus.profiling.profile import (
     COMPOSITION,
     ProfileProgress,
     ProfileResult,
     check_profile,
     measure_composition,
 )
-from kareus.workflows.profile_cost import StepsOutcome
-from kareus.workflows.step_fit import FitPolicy
+from kareus.profiling.step_fit import FitPolicy
+from kareus.ray_support import import_ray, ray_session
+from kareus.search.loop import SearchConfig, SearchResult, run_search
+from kareus.store import Journal, StoredSample
 from kareus.workload.workload import Workload
 
 DIE_ENV = "KAREUS_TEST_RAY_DIE"
@@ -161,7 +161,7 @@ class RankActor:
                 be = JournaledBackend(AgreedBackend(raw, _agree(group, task.die_after)),
                                       journal, journal.jid, record=record)
                 # without clock changes the job's one clock (the spec's check), as in
-                # kareus.workflows.profile: nvml refuses while the GPU runs another
+                # kareus.profiling.profile: nvml refuses while the GPU runs another
                 if task.key == COMPOSITION:
                     outcome = measure_composition(workload, be, report, task.policy, model)
                     return {**outcome.to_dict(), "backend": be.identity()} if record else None
@@ -217,7 +217,7 @@ def profile_ray(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                 executor: ExecutorSpec | None = None, retries: int = 2,
                 placement_timeout_s: float = 600.0, checked: bool = False,
                 policy: FitPolicy | None = None, prior: str | None = None) -> ProfileResult:
-    """`kareus.workflows.profile.profile` with each partition's TP/CP group a unit of work on
+    """`kareus.profiling.profile.profile` with each partition's TP/CP group a unit of work on
     the Ray cluster at ``executor.ray_address`` (default: a local Ray), units in parallel;
     the journal is written here only. A unit whose node dies is retried up to ``retries``
     times, reusing what it journaled before. ``checked``: the caller checked the inputs;

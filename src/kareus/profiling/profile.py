@@ -36,10 +36,10 @@ from kareus.core import Measurement, MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import Method, all_methods, runnable_methods
+from kareus.profiling.cost import CostSummary, StepsOutcome, group_gpus
+from kareus.profiling.step_fit import FitPolicy, measure_steps
 from kareus.search.loop import SearchConfig, SearchResult, run_search
 from kareus.store import Journal
-from kareus.workflows.profile_cost import CostSummary, StepsOutcome, group_gpus
-from kareus.workflows.step_fit import FitPolicy, measure_steps
 from kareus.workload.workload import Workload
 
 ProfileProgress = Callable[[str, int, int], None]
@@ -168,7 +168,7 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
                         ) -> StepsOutcome:
     """Measure what composing every method needs and the journal lacks, journaling each
     number: the steps outside partitions as ``policy`` says (default: a few clocks per
-    step measured, the others fitted; kareus.workflows.step_fit; through ``prior``'s
+    step measured, the others fitted; kareus.profiling.step_fit; through ``prior``'s
     shapes where it is given), one clock at a time
     from the highest; then the wait transients its plans charge. ``report(done, total)``
     after each step."""

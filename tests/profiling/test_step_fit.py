@@ -1,5 +1,5 @@
 """The steps outside partitions measured at a few clocks and fitted at the others
-(kareus.workflows.step_fit): on data of the fitted shape (time a + b/f, dynamic energy
+(kareus.profiling.step_fit): on data of the fitted shape (time a + b/f, dynamic energy
 quadratic in f) only the anchors and one held-out clock are measured and every fitted
 number is the generating formula's; a series the shapes do not describe is measured at
 every clock; the power limiter's throttled top of a series is measured, never fitted;
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kareus.backends.needs import Need
 from kareus.core import Knobs, Measurement
 from kareus.errors import SpecError
-from kareus.workflows.step_fit import FitPolicy, measure_steps, planned_clocks
+from kareus.profiling.step_fit import FitPolicy, measure_steps, planned_clocks
 
 CLOCKS = list(range(1410, 209, -70))  # 18 clocks, 1410 down to 220 MHz
 STATIC_W = 60.0

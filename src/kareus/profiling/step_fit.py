@@ -41,7 +41,7 @@ import numpy as np
 from kareus.backends.base import CostModel
 from kareus.backends.needs import Need
 from kareus.core import Measurement
-from kareus.workflows.prior_fit import (
+from kareus.profiling.prior_fit import (
     Predict,
     Ratios,
     check_series,
@@ -69,7 +69,7 @@ class FitPolicy:
     min_clocks: int = 8
     """A step with fewer clocks than this is measured at each: fitting saves too little."""
     informed_anchors: int = 2
-    """With a prior (kareus.workflows.prior_fit): clocks measured per step, the ends of its
+    """With a prior (kareus.profiling.prior_fit): clocks measured per step, the ends of its
     range (one more is held out)."""
 
     def check(self) -> None:
@@ -138,7 +138,7 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy,
     """Measure ``needs`` (none a wait transient) as ``policy`` says: each series at its
     anchors, the throttled range and a held-out clock, the rest fitted; or all measured.
     With a ``prior``, each series is first fitted through it (two anchors and a held-out
-    clock, kareus.workflows.prior_fit); those that fail go on to their own shape. The
+    clock, kareus.profiling.prior_fit); those that fail go on to their own shape. The
     prior is a cost model, or a function giving each need's prediction."""
     series: dict[tuple, dict[int, Need]] = {}
     for n in needs:
@@ -180,7 +180,7 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy,
 def _fit_through_prior(fitting: dict[tuple, dict[int, Need]], report: StepFitReport,
                        take: Callable[[Iterable[Need]], None], policy: FitPolicy,
                        predict: Predict) -> set[tuple]:
-    """Fit what the prior's shape allows (kareus.workflows.prior_fit); the series fitted.
+    """Fit what the prior's shape allows (kareus.profiling.prior_fit); the series fitted.
     Clocks the prior predicts held down by the power limiter are measured, and so are
     those the limiter held down though the prior did not foresee it: from the top of the
     range down, one clock a round, until one is not held down (throttling only grows

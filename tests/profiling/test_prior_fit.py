@@ -1,4 +1,4 @@
-"""Steps fitted through a prior (kareus.workflows.prior_fit via measure_steps): the GPU
+"""Steps fitted through a prior (kareus.profiling.prior_fit via measure_steps): the GPU
 is a curve of step_fit's tests times a ratio the prior does not know; what is fitted is
 checked against that curve, computed apart."""
 
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from kareus.backends.needs import Need
 from kareus.core import Measurement
-from kareus.workflows.prior_fit import RatioCheck, noise_allowance
-from kareus.workflows.step_fit import FitPolicy, measure_steps, planned_clocks
-from tests.workflows.test_step_fit import (
+from kareus.profiling.prior_fit import RatioCheck, noise_allowance
+from kareus.profiling.step_fit import FitPolicy, measure_steps, planned_clocks
+from tests.profiling.test_step_fit import (
     CLOCKS,
     CURVE,
     STATIC_W,
@@ -59,7 +59,7 @@ def test_a_level_drifting_linearly_in_the_clock_is_fitted_exactly_from_three_clo
     measured = sorted((n.knobs.freq_mhz for n in report.measured), reverse=True)
     assert len(measured) == 3 and measured[0] == max(clocks) and measured[-1] == min(clocks)
     assert len(rec.calls) == 3 and set(report.fitted) | set(report.measured) == set(needs)
-    # what the estimate plans (kareus.workflows.profile_estimate) is what was measured
+    # what the estimate plans (kareus.profiling.estimate) is what was measured
     assert set(measured) == set(planned_clocks(sorted(clocks, reverse=True), FitPolicy(),
                                                informed=True))
     for n, (m, info) in report.fitted.items():

@@ -39,7 +39,7 @@ def expected_clock_changes(draws: int, clocks: int) -> float:
 
 @dataclass
 class StepsOutcome:
-    """What measuring the steps outside partitions did (kareus.workflows.step_fit)."""
+    """What measuring the steps outside partitions did (kareus.profiling.step_fit)."""
 
     needed: int = 0
     """Numbers composition needed that the journal lacked."""

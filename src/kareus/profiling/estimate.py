@@ -5,7 +5,7 @@ Counts, per kind:
   profile), less what the journal holds of it: an upper bound, since the search stops
   early once its hypervolume stops improving;
 - the steps outside partitions: the numbers composition needs and the journal lacks,
-  planned as the run plans them (`kareus.workflows.step_fit.measure_steps`, through the
+  planned as the run plans them (`kareus.profiling.step_fit.measure_steps`, through the
   prior where the profile has one) with the noise-free emulator answering each
   measurement: the anchors, held-out clocks and throttled tops the run measures where the
   GPU behaves as the emulator predicts (a limiter the emulator does not foresee costs
@@ -33,17 +33,17 @@ from kareus.backends.needs import Need, measure_need
 from kareus.backends.registry import BackendSpec, spec_from_options
 from kareus.core import Measurement, MeasurementProtocol
 from kareus.job.spec import JobSpec
-from kareus.search.loop import SearchConfig
-from kareus.store import Journal, job_id, journal_exists
-from kareus.workflows.executors import ExecutorSpec
-from kareus.workflows.profile import composition_needs
-from kareus.workflows.profile_cost import (
+from kareus.profiling.cost import (
     CostSummary,
     StepsOutcome,
     expected_clock_changes,
     group_gpus,
 )
-from kareus.workflows.step_fit import FitPolicy, measure_steps
+from kareus.profiling.executors import ExecutorSpec
+from kareus.profiling.profile import composition_needs
+from kareus.profiling.step_fit import FitPolicy, measure_steps
+from kareus.search.loop import SearchConfig
+from kareus.store import Journal, job_id, journal_exists
 from kareus.workload.workload import Workload
 
 
@@ -52,7 +52,7 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
                      policy: FitPolicy | None = None, executor: ExecutorSpec | None = None,
                      prior: str | None = None) -> CostSummary:
     """The cost of ``kareus profile`` with these inputs (checked by the caller).
-    ``prior``: the profile's (its steps are fitted through it, kareus.workflows.prior_fit;
+    ``prior``: the profile's (its steps are fitted through it, kareus.profiling.prior_fit;
     its searches' initial design is the prior's size where the configuration sets none)."""
     policy = policy or FitPolicy()
     job = workload.job
@@ -133,7 +133,7 @@ def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPol
     """(measured, measured at most, protocol seconds, clock changes) of the steps outside
     partitions. Which steps the power limiter holds below their clock (measured at the
     top clocks rather than fitted) is the noise-free emulator's prediction. ``informed``:
-    the steps are fitted through the emulator prior (kareus.workflows.prior_fit)."""
+    the steps are fitted through the emulator prior (kareus.profiling.prior_fit)."""
     with spec_from_options("emulator", {}).open(workload) as emulator:
         # nothing journaled: the needs' structure alone, which any backend enumerates
         backend = measured or JournaledBackend.in_memory(emulator, workload.job)
