@@ -20,7 +20,7 @@ from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
 from kareus.workflows import optimize as optimize_module
 from kareus.workflows.optimize import OptimizeRun, prepare_optimize
-from kareus.workflows.profiling import journal_lock, prepare_profile
+from kareus.workflows.profile import journal_lock, prepare_profile
 from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 

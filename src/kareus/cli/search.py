@@ -18,7 +18,7 @@ from kareus.profiling.step_fit import FitPolicy
 from kareus.search.loop import SearchConfig, SearchResult, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
-from kareus.workflows.profiling import ProfileRun, prepare_profile
+from kareus.workflows.profile import ProfileRun, prepare_profile
 from kareus.workflows.progress import ProgressBars
 from kareus.workload.workload import Workload
 
