@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from kareus.backends.base import Backend
+from kareus.backends.options import option
 from kareus.backends.registry import Agree, BackendSpec, Capabilities, Provenance
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
@@ -257,21 +258,34 @@ class NvmlSpec(BackendSpec):
     """A real NVIDIA GPU: PyTorch kernels, energy from Zeus/NVML (the gpu extra)."""
 
     kind: ClassVar[str] = "nvml"
+    summary: ClassVar[str] = "a real NVIDIA GPU (the gpu extra)"
     capabilities: ClassVar[Capabilities] = Capabilities(
         real_gpu=True, process_per_gpu=True, profiles_first=True)
     provenance: ClassVar[Provenance] = Provenance(
         "gpu", "measured on GPUs: their timings and NVML energy counters")
-    allow_clock_changes: bool = False
+    allow_clock_changes: bool = option(
+        False, flag="--allow-clock-changes", help="Real GPUs: let Kareus lock SM clocks "
+        "(always reset on exit). Without it no clock is touched.")
     """Kareus may lock SM clocks (always reset on exit)."""
-    power_limit_w: float | None = None
+    power_limit_w: float | None = option(
+        None, flag="--power-limit-w", positive=True, help="Real GPUs: measure with the "
+        "board power limit set to this many watts (needs --allow-power-limit-changes; "
+        "restored on exit; journaled as another backend). A profile per limit gives "
+        "Megatron-LM under a power limit (docs/power.md).")
     """Measure with the board power limit set to this (kareus.gpu.power_guard); None: the
     limit in force is not touched."""
-    allow_power_limit_changes: bool = False
+    allow_power_limit_changes: bool = option(
+        False, flag="--allow-power-limit-changes", help="Real GPUs: let Kareus set the "
+        "board power limit (always restored on exit).")
     """Kareus may set the board power limit (always restored on exit)."""
-    gpu_index: int = 0
+    gpu_index: int = option(0, flag="--gpu-index", help="Real GPUs: which GPU.")
     torch_device: str | None = None
     """Where the kernels run (default ``cuda:<gpu_index>``)."""
-    runtime: str = "kernels"
+    runtime: str = option(
+        "kernels", flag="--runtime", help="Real GPUs (and fakegpu): whose code computes a "
+        "partition: kernels (the project's own, the default) or megatron (Megatron-Core's "
+        "own modules, what its training runs: the megatron extra, docs/megatron.md). "
+        "Journaled as another backend.")
     """Whose code computes a partition: the project's kernels, or ``megatron``:
     Megatron-Core's modules (kareus.gpu.runtimes; the megatron extra)."""
 
@@ -346,6 +360,8 @@ class FakeGpuSpec(NvmlSpec):
     clock, catalog static power) and a simulated energy counter."""
 
     kind: ClassVar[str] = "fakegpu"
+    summary: ClassVar[str] = ("nvml's real kernels on the CPU with a simulated energy "
+                              "counter (the GPU path without a GPU)")
     capabilities: ClassVar[Capabilities] = Capabilities(
         process_per_gpu=True, profiles_first=True)
     provenance: ClassVar[Provenance] = Provenance(

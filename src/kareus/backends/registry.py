@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from kareus.backends.base import Backend, CostModel, PlanSimulator
+from kareus.backends.options import MAX_SEED, Flag, flag_of, option, parts
 from kareus.core import MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
@@ -67,15 +68,22 @@ class Provenance:
 @dataclass(frozen=True)
 class BackendSpec:
     """Where measurements come from and how they are taken. Subclasses add their own
-    options and set ``kind`` and ``capabilities``."""
+    options (fields declared with kareus.backends.options.option: the CLI offers them) and
+    set ``kind``, ``summary`` and ``capabilities``."""
 
     kind: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    """What the kind measures with, in a few words (``--backend``'s help lists them)."""
     capabilities: ClassVar[Capabilities] = Capabilities()
     provenance: ClassVar[Provenance] = Provenance(
         "unknown", "numbers of a backend that does not say where they come from")
-    seed: int = 0
+    seed: int = option(0, flag="--seed", help="Seed of everything random.",
+                       at_most=MAX_SEED)
     """Seed of everything random this backend does (and of the search)."""
-    protocol: MeasurementProtocol | None = None
+    protocol: MeasurementProtocol | None = dataclasses.field(default=None, metadata=parts(
+        window_s=Flag("--window", "Measurement window, s (default 5).", positive=True),
+        cooldown_s=Flag("--cooldown", "Cooldown after a measurement, s (default 5)."),
+        settle_s=Flag("--settle", "Settle after a clock change, s (default 2).")))
     """How one measurement is taken (window, cooldown, settle); None: the default."""
 
     # What a kind implements -------------------------------------------------------------
@@ -190,12 +198,17 @@ def spec_from_options(name: str, given: dict[str, Any]) -> BackendSpec:
     """The kind ``name``'s spec from command-line options (``given``: those the user set,
     by field name). An option another kind takes is refused in one line."""
     spec = backend_kind(name)
-    fields = {f.name for f in dataclasses.fields(spec)}
-    foreign = sorted(k for k in given if k not in fields)
+    foreign = sorted(k for k in given if k not in _field_names(spec))
     if foreign:
-        flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+        kinds = [backend_kind(k) for k in backend_kinds()]
+        flags = ", ".join(next((flag_of(s, k) for s in kinds if k in _field_names(s)),
+                               "--" + k.replace("_", "-")) for k in foreign)
         raise SpecError(f"{flags} does not apply to the {name} backend")
     return spec(**given)
+
+
+def _field_names(spec: type[BackendSpec]) -> set[str]:
+    return {f.name for f in dataclasses.fields(spec)}
 
 
 def replay_spec(journal: str, identity: str | None = None, compose_only: bool = False

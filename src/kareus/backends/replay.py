@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend, JournalOnly
+from kareus.backends.options import option
 from kareus.backends.registry import Agree, BackendSpec, Capabilities, CollectiveFactory
 from kareus.errors import KareusError, SpecError
 from kareus.job.spec import JobSpec
@@ -27,10 +28,14 @@ from kareus.workload.workload import Workload
 @dataclass(frozen=True)
 class ReplaySpec(BackendSpec):
     kind: ClassVar[str] = "replay"
+    summary: ClassVar[str] = "a journal's measurements"
     capabilities: ClassVar[Capabilities] = Capabilities()
-    replay_journal: str | None = None
+    replay_journal: str | None = option(None, flag="--replay-journal", help="Replay: the "
+                                       "journal whose measurements are served.")
     """The journal whose measurements are served."""
-    replay_identity: str | None = None
+    replay_identity: str | None = option(None, flag="--replay-identity", help="Replay: "
+                                        "which backend's measurements, when the journal "
+                                        "holds several.")
     """Which backend's measurements (needed when the journal holds several)."""
     compose_only: bool = False
     """Compose plans from the journal alone: no search asks for anything

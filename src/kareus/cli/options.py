@@ -6,17 +6,18 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, Optional, TypeVar, get_args
 
 import typer
 
+from kareus.backends.options import MAX_SEED, SpecOption, spec_options
 from kareus.backends.registry import (
     BackendSpec,
+    backend_kind,
     backend_kinds,
     replay_spec,
     spec_from_options,
 )
-from kareus.core import MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.profiling.executors import ExecutorSpec
 
@@ -26,34 +27,52 @@ Option = tuple[str, Any, Any]
 """(parameter name, annotation, default)."""
 
 
-def injects(param: str, options: list[Option], build: Callable[[dict[str, Any]], Any]
-            ) -> Callable[[F], F]:
+def injects(param: str, options: list[Option] | Callable[[], list[Option]],
+            build: Callable[[dict[str, Any]], Any]) -> Callable[[F], F]:
     """Replace the command's parameter ``param`` by ``options``; the command receives
-    ``build(values of the options)`` as ``param``."""
+    ``build(values of the options)`` as ``param``. ``options`` may be a function: it is
+    called when Typer reads the command's signature (as it builds the click command, at
+    `kareus.cli.main`), so the options of what was registered after import count."""
 
     def decorate(func: F) -> F:
-        sig = inspect.signature(func)
-        own = [p for p in sig.parameters.values() if p.name != param]
-        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                   annotation=ann) for name, ann, default in options]
-
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            values = {name: kwargs.pop(name, default) for name, _, default in options}
-            return func(*args, **{param: build(values)}, **kwargs)
-
-        wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+        # its name, doc and annotations; not its __dict__ (an injected command's state)
+        wrapper = functools.update_wrapper(_Injected(func, param, options, build), func,
+                                           updated=())
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+class _Injected:
+    """A command whose parameter ``param`` is replaced by options; its signature (what
+    Typer reads) is computed each time it is asked for."""
+
+    def __init__(self, func: Callable[..., Any], param: str,
+                 options: list[Option] | Callable[[], list[Option]],
+                 build: Callable[[dict[str, Any]], Any]) -> None:
+        self._func, self._param, self._build = func, param, build
+        self._options = options
+
+    def options(self) -> list[Option]:
+        return self._options() if callable(self._options) else self._options
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(self._func)
+        own = [p for p in sig.parameters.values() if p.name != self._param]
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                   annotation=ann) for name, ann, default in self.options()]
+        return sig.replace(parameters=own + extra)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name, default) for name, _, default in self.options()}
+        return self._func(*args, **{self._param: self._build(values)}, **kwargs)
 
 
 def _opt(*decls: str, help: str, panel: str, metavar: str | None = None, **kw: Any) -> Any:
     return typer.Option(*decls, help=help, rich_help_panel=panel, metavar=metavar, **kw)
 
 
-MAX_SEED = 2**32 - 1
-"""Seeds are 0..2^32-1, the range every seeded generator takes (numpy's legacy one too)."""
 
 
 def check_number(option: str, value: float, *, positive: bool = False,
@@ -92,117 +111,104 @@ def float_option(*decls: str, help: str, positive: bool = False,
                                                            at_most=at_most), **kw)
 
 
-def _check_seed(param: typer.CallbackParam, value: int) -> int:
-    if not 0 <= value <= MAX_SEED:
-        raise SpecError(f"--seed must be 0..{MAX_SEED}, got {value}")
-    return value
+def _in_range(at_most: int) -> Callable[[typer.CallbackParam, Optional[int]], Optional[int]]:
+    """The callback of a bounded int option (a seed): 0..``at_most``."""
+
+    def check(param: typer.CallbackParam, value: Optional[int]) -> Optional[int]:
+        if value is not None and not 0 <= value <= at_most:
+            name = max(param.opts, key=len) if param.opts else str(param.name)
+            raise SpecError(f"{name} must be 0..{at_most}, got {value}")
+        return value
+
+    return check
 
 
 def seed_option(*decls: str, help: str, **kw: Any) -> Any:
     """The --seed option of every command: 0..`MAX_SEED`, refused as it is parsed (before
     any directory or journal exists)."""
-    return typer.Option(*decls, help=help, callback=_check_seed, **kw)
+    return typer.Option(*decls, help=help, callback=_in_range(MAX_SEED), **kw)
 
 
 def with_backend(default: str = "emulator", measurements: bool = False
                  ) -> Callable[[F], F]:
-    """The backend options; the command receives ``backend: BackendSpec`` (the kind's own
-    spec, which takes only its own options). ``measurements``: also ``--measurements
-    JOURNAL``: plans composed from that journal alone (a replay spec composing only)."""
-    p = "Backend"
-    options: list[Option] = [
-        ("backend_name", Annotated[str, _opt(
-            "--backend", panel=p, help="Where measurements come from: "
-            + ", ".join(backend_kinds()) + ". emulator: no GPU; nvml: a real NVIDIA GPU "
-            "(the gpu extra); replay: a journal; fakegpu: nvml's real kernels on the CPU "
-            "with a simulated energy counter (the GPU path without a GPU).")], default),
-        ("noise", Annotated[float, _opt(
-            "--noise", panel=p, help="Emulator measurement noise: relative std of time and "
-            "dynamic energy.", callback=number())], 0.0),
-        ("seed", Annotated[int, seed_option("--seed", rich_help_panel=p,
-                                            help="Seed of everything random.")], 0),
-        ("calibration", Annotated[Optional[str], _opt(
-            "--calibration", panel=p, help="JSON file of fitted emulator parameters.")], None),
-        ("allow_clock_changes", Annotated[bool, _opt(
-            "--allow-clock-changes", panel=p, help="Real GPUs: let Kareus lock SM clocks "
-            "(always reset on exit). Without it no clock is touched.", metavar="")], False),
-        *_power_limit_options(p),
-        ("gpu_index", Annotated[int, _opt("--gpu-index", panel=p, help="Real GPUs: which "
-                                                                      "GPU.")], 0),
-        ("runtime", Annotated[Optional[str], _opt(
-            "--runtime", panel=p, help="Real GPUs (and fakegpu): whose code computes a "
-            "partition: kernels (the project's own, the default) or megatron (Megatron-Core's "
-            "own modules, what its training runs: the megatron extra, docs/megatron.md). "
-            "Journaled as another backend.")], None),
-        ("replay_journal", Annotated[Optional[str], _opt(
-            "--replay-journal", panel=p, help="Replay: the journal whose measurements are "
-            "served.")], None),
-        ("replay_identity", Annotated[Optional[str], _opt(
-            "--replay-identity", panel=p, help="Replay: which backend's measurements, when "
-            "the journal holds several.")], None),
-        *_protocol_options(p),
-    ]
+    """The backend options: ``--backend`` and every registered kind's own (declared on its
+    spec's fields, kareus.backends.options), read from the registry when the command is
+    built; the command receives ``backend: BackendSpec`` (the kind's own spec, which takes
+    only its own options). ``measurements``: also ``--measurements JOURNAL``: plans
+    composed from that journal alone (a replay spec composing only)."""
 
-    if measurements:
-        options.append(("measurements", Annotated[Optional[str], _opt(
-            "--measurements", panel=p, help="Compose from this journal alone (written by "
-            "`kareus profile`): no search, no emulator number; what it lacks is one error "
-            "listing it (--replay-identity: which backend's, when it holds several).")],
-            None))
-    defaults = {name: value for name, _, value in options}
+    def options() -> list[Option]:
+        opts: list[Option] = [("backend_name", Annotated[str, _opt(
+            "--backend", panel=_PANEL, help="Where measurements come from: "
+            + "; ".join(f"{k}: {s.summary}" if s.summary else k
+                        for k, s in _kinds().items()) + ".")], default)]
+        opts += [(o.flag.param, Annotated[o.annotation, _spec_option(o)], o.default)
+                 for o in _spec_options().values()]
+        if measurements:
+            opts.append(("measurements", Annotated[Optional[str], _opt(
+                "--measurements", panel=_PANEL, help="Compose from this journal alone "
+                "(written by `kareus profile`): no search, no emulator number; what it "
+                "lacks is one error listing it (--replay-identity: which backend's, when "
+                "it holds several).")], None))
+        return opts
 
     def build(v: dict[str, Any]) -> BackendSpec:
-        protocol = None
-        if any(v[k] is not None for k in ("window", "cooldown", "settle")):
-            d = MeasurementProtocol()
-            protocol = MeasurementProtocol(
-                d.window_s if v["window"] is None else v["window"],
-                d.cooldown_s if v["cooldown"] is None else v["cooldown"],
-                d.settle_s if v["settle"] is None else v["settle"])
         name = v["backend_name"]
         if v.get("measurements") is not None:
             if name != default:
                 raise SpecError(f"--measurements composes from a journal alone: it takes no "
                                 f"--backend {name}")
-            return replay_spec(v["measurements"], v["replay_identity"], compose_only=True)
+            return replay_spec(v["measurements"], v.get("replay_identity"),
+                               compose_only=True)
         # the options the user set, by the spec field they fill (one another kind takes is
-        # refused); the seed always (it seeds the search too), the protocol where given
-        given = {k: v[k] for k in ("noise", "calibration", "allow_clock_changes",
-                                   "power_limit_w", "allow_power_limit_changes",
-                                   "gpu_index", "runtime", "replay_journal",
-                                   "replay_identity")
-                 if v[k] != defaults[k]}
-        given["seed"] = v["seed"]
-        if protocol is not None:
-            given["protocol"] = protocol
+        # refused); a field of parts (the protocol) where any part is given
+        given: dict[str, Any] = {}
+        filled: dict[str, tuple[Any, dict[str, Any]]] = {}
+        for param, o in _spec_options().items():
+            value = v.get(param, o.default)
+            if o.part is not None:
+                if value is not None:
+                    filled.setdefault(o.field, (o.of, {}))[1][o.part] = value
+            elif value != o.default:
+                given[o.field] = value
+        given.update({f: of(**parts) for f, (of, parts) in filled.items()})
         return spec_from_options(name, given)
 
     return injects("backend", options, build)
 
 
-def _protocol_options(p: str) -> list[Option]:
-    return [
-        ("window", Annotated[Optional[float], _opt(
-            "--window", panel=p, help="Measurement window, s (default 5).",
-            callback=number(positive=True))], None),
-        ("cooldown", Annotated[Optional[float], _opt(
-            "--cooldown", panel=p, help="Cooldown after a measurement, s (default 5).",
-            callback=number())], None),
-        ("settle", Annotated[Optional[float], _opt(
-            "--settle", panel=p, help="Settle after a clock change, s (default 2).",
-            callback=number())], None)]
+_PANEL = "Backend"
 
 
-def _power_limit_options(p: str) -> list[Option]:
-    return [
-        ("power_limit_w", Annotated[Optional[float], _opt(
-            "--power-limit-w", panel=p, help="Real GPUs: measure with the board power "
-            "limit set to this many watts (needs --allow-power-limit-changes; restored on "
-            "exit; journaled as another backend). A profile per limit gives Megatron-LM "
-            "under a power limit (docs/power.md).", callback=number(positive=True))], None),
-        ("allow_power_limit_changes", Annotated[bool, _opt(
-            "--allow-power-limit-changes", panel=p, help="Real GPUs: let Kareus set the "
-            "board power limit (always restored on exit).", metavar="")], False)]
+def _kinds() -> dict[str, type[BackendSpec]]:
+    return {k: backend_kind(k) for k in backend_kinds()}
+
+
+def _spec_options() -> dict[str, SpecOption]:
+    """Every registered kind's options by parameter name: one per flag, however many kinds
+    take it (nvml and fakegpu share --runtime); kinds must agree on what a flag sets."""
+    found: dict[str, SpecOption] = {}
+    for kind, spec in _kinds().items():
+        for o in spec_options(spec):
+            seen = found.setdefault(o.flag.param, o)
+            if (seen.field, seen.part, seen.flag.flag) != (o.field, o.part, o.flag.flag):
+                raise SpecError(f"backend {kind}: {o.flag.flag} sets its field {o.field!r},"
+                                f" another kind's {seen.flag.flag} sets {seen.field!r}")
+    return found
+
+
+def _spec_option(o: SpecOption) -> Any:
+    """The typer option of a spec field: numbers checked as they are parsed, flags with
+    no metavar."""
+    base = next((a for a in get_args(o.annotation) if a is not type(None)), o.annotation)
+    kw: dict[str, Any] = {}
+    if base is float:
+        kw["callback"] = number(positive=o.flag.positive, at_most=o.flag.at_most)
+    elif base is int and o.flag.at_most is not None:
+        kw["callback"] = _in_range(int(o.flag.at_most))
+    elif base is bool:
+        kw["metavar"] = ""
+    return _opt(o.flag.flag, panel=_PANEL, help=o.flag.help, **kw)
 
 
 def with_executor() -> Callable[[F], F]:

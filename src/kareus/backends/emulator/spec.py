@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kareus.backends.base import Backend, CostModel, PlanSimulator
+from kareus.backends.options import option
 from kareus.backends.registry import (
     Agree,
     BackendSpec,
@@ -23,13 +24,16 @@ from kareus.workload.workload import Workload
 @dataclass(frozen=True)
 class EmulatorSpec(BackendSpec):
     kind: ClassVar[str] = "emulator"
+    summary: ClassVar[str] = "no GPU, a model of the job's GPU"
     capabilities: ClassVar[Capabilities] = Capabilities(cost_model=True)
     provenance: ClassVar[Provenance] = Provenance(
         "emulator", "emulator: modelled times and energies of the job's GPU, no GPU "
                     "measured (docs/emulator.md)")
-    noise: float = 0.0
+    noise: float = option(0.0, flag="--noise", help="Emulator measurement noise: relative "
+                          "std of time and dynamic energy.")
     """Relative standard deviation of time and dynamic energy (0: exact)."""
-    calibration: str | None = None
+    calibration: str | None = option(None, flag="--calibration", help="JSON file of fitted "
+                                     "emulator parameters.")
     """JSON file of fitted parameters (`kareus calibrate --backend nvml --out`)."""
 
     def check(self, job: JobSpec, here: bool = True) -> None:
