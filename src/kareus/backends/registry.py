@@ -38,7 +38,9 @@ class Capabilities:
     """What a backend kind can do; the questions code asks instead of a name."""
 
     real_gpu: bool = False
-    """Measures real GPUs: one GPU measures one thing at a time, in this process."""
+    """Measures real GPUs: one GPU measures one thing at a time, in this process. Its
+    backend shows the device it measures (``device``, ``static_power_source``, as
+    NvmlBackend): `kareus calibrate` reads its clock."""
     process_per_gpu: bool = False
     """A TP/CP group is measured by a process per GPU (torchrun or Ray actors)."""
     profiles_first: bool = False
@@ -46,6 +48,9 @@ class Capabilities:
     cost_model: bool = False
     """Offers a deterministic cost model: a search prior, and the ground truth of
     validation by whole-iteration simulation."""
+    anchors: bool = False
+    """Its model is the emulator's with the spec's ``calibration`` file (fitted
+    parameters): `kareus calibrate` sets it next to the public anchors (docs/anchors.md)."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,16 @@ def spec_from_dict(doc: dict[str, Any]) -> BackendSpec:
     if d.get("protocol") is not None:
         d["protocol"] = MeasurementProtocol(**d["protocol"])
     return spec(**d)
+
+
+def model_spec(**given: Any) -> BackendSpec:
+    """The spec of the first kind with a cost model (the emulator), from options by field
+    name: what measures where a command runs on a model, never on a device (a suite's
+    comparison, a profile's estimate). Asked of the capabilities, not a name."""
+    kinds = cost_model_kinds()
+    if not kinds:
+        raise SpecError("no backend kind with a cost model is registered")
+    return spec_from_options(kinds[0], given)
 
 
 def default_spec() -> BackendSpec:

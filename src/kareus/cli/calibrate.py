@@ -11,7 +11,6 @@ from kareus.backends.emulator.calibration import (
     measure_and_compare,
     write_calibration,
 )
-from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.backends.registry import BackendSpec
 from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.cli.options import with_backend
@@ -37,10 +36,11 @@ def calibrate(
     if backend.capabilities.real_gpu:
         _calibrate_gpu(preset, out, backend, json_out)
         return
-    if not isinstance(backend, EmulatorSpec):
+    if not backend.capabilities.anchors:
         raise KareusError(f"calibrate compares the emulator with public anchors or with a "
                           f"real GPU: not --backend {backend.name}")
-    anchors = all_anchors(backend.calibration)
+    # a kind with anchors takes the emulator's fitted parameters (Capabilities.anchors)
+    anchors = all_anchors(getattr(backend, "calibration", None))
     if json_out:
         print_json({"schema_version": SCHEMA_VERSION,
                     "anchors": [a.to_dict() for a in anchors]})
@@ -56,18 +56,18 @@ def calibrate(
 
 def _calibrate_gpu(preset: str, out: Optional[str], backend: BackendSpec,
                    json_out: bool) -> None:
-    from kareus.backends.nvml import NvmlBackend  # the gpu extra: imported only here
-
     job = build_job(preset)
     with backend.open(Workload.build(job)) as real:
-        if not isinstance(real, NvmlBackend):
+        # a real GPU's backend (Capabilities.real_gpu) shows the device it measures
+        device = getattr(real, "device", None)
+        if device is None:
             raise KareusError(f"calibrate measures through NVML; --backend {backend.name} "
                               f"has no device to read the clock of")
-        freq = real.device.current_sm_clock_mhz()
+        freq = device.current_sm_clock_mhz()
         emu = EmulatorBackend(job)
         rows = measure_and_compare(job, real, freq, emu)
         params = fit_params(rows, emu.params)
-        source = real.static_power_source
+        source = getattr(real, "static_power_source", "catalog")
     if out:
         write_calibration(out, job, rows, params, source, freq)
     if json_out:

@@ -30,7 +30,7 @@ from typing import Any
 from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend
 from kareus.backends.needs import Need, measure_need
-from kareus.backends.registry import BackendSpec, spec_from_options
+from kareus.backends.registry import BackendSpec, model_spec
 from kareus.core import Measurement, MeasurementProtocol
 from kareus.job.spec import JobSpec
 from kareus.profiling.cost import (
@@ -134,7 +134,7 @@ def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPol
     partitions. Which steps the power limiter holds below their clock (measured at the
     top clocks rather than fitted) is the noise-free emulator's prediction. ``informed``:
     the steps are fitted through the emulator prior (kareus.profiling.prior_fit)."""
-    with spec_from_options("emulator", {}).open(workload) as emulator:
+    with model_spec().open(workload) as emulator:
         # nothing journaled: the needs' structure alone, which any backend enumerates
         backend = measured or JournaledBackend.in_memory(emulator, workload.job)
         return _count_steps(workload, backend, policy, protocol, emulator, informed)

@@ -175,7 +175,7 @@ def prepare_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int 
     directory and every preset's result directory in it, the backend, the budget, the
     workers), checked before any work; then the directory locked (`CompareDir.lock`):
     a refusal creates nothing."""
-    from kareus.backends.registry import spec_from_options
+    from kareus.backends.registry import model_spec
 
     if suite not in SUITES:
         raise KareusError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
@@ -183,7 +183,7 @@ def prepare_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int 
         sensitivity.check(SUITES[suite])
     out = CompareDir(out_dir)
     out.check_writable()
-    spec = spec_from_options("emulator", {"noise": noise, "seed": seed})
+    spec = model_spec(noise=noise, seed=seed)
     config = SearchConfig(budget=budget, seed=seed)
     runs = []
     for preset in SUITES[suite]:

@@ -25,7 +25,7 @@ from kareus.workload.workload import Workload
 class EmulatorSpec(BackendSpec):
     kind: ClassVar[str] = "emulator"
     summary: ClassVar[str] = "no GPU, a model of the job's GPU"
-    capabilities: ClassVar[Capabilities] = Capabilities(cost_model=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(cost_model=True, anchors=True)
     provenance: ClassVar[Provenance] = Provenance(
         "emulator", "emulator: modelled times and energies of the job's GPU, no GPU "
                     "measured (docs/emulator.md)")
