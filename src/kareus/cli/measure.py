@@ -18,7 +18,7 @@ from kareus.cli.app import (
 from kareus.cli.job import with_job
 from kareus.cli.options import with_backend
 from kareus.core import Knobs
-from kareus.core.pareto import pareto_mask
+from kareus.core.pareto import pareto_front
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import get_method
@@ -98,8 +98,7 @@ def sweep(job: JobSpec, backend: BackendSpec, partition: PartitionOpt,
         print_json({"schema_version": SCHEMA_VERSION, "partition": p.key,
                     "job": job.model_dump(mode="json"), "points": points})
         return
-    mask = pareto_mask([(q["time_s"], q["dynamic_energy_j"]) for q in points])
-    front = sorted((q for q, keep in zip(points, mask) if keep), key=lambda q: q["time_s"])
+    front = pareto_front(points, lambda q: (q["time_s"], q["dynamic_energy_j"]))
     t = table(f"{p.key}: {len(points)} settings, {len(front)} on the (time, dynamic energy) "
               f"frontier", ("MHz", "SMs", "slot", "time ms", "energy J", "dynamic J"))
     for q in front:

@@ -3,7 +3,6 @@ list, plan show, plan export."""
 
 import contextlib
 import shlex
-from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -22,7 +21,7 @@ from kareus.plans.plan import (
     objective_of,
     over_limit,
     rounding_slack,
-    select,
+    settings_by_clock,
 )
 from kareus.plans.power import trace_of
 from kareus.plans.run_cost import (
@@ -37,7 +36,7 @@ from kareus.plans.units import (
     parse_energy_j,
     parse_time_s,
 )
-from kareus.results.choice import job_spec, plans_under_cap, run_cost
+from kareus.results.choice import cap_given, chosen_point, job_spec, run_cost
 from kareus.results.power_figure import power_figure, power_panel
 from kareus.results.resultdir import ResultDir
 from kareus.results.timeline import clock_scale_mhz, timeline_figure
@@ -124,15 +123,13 @@ def plan(
         return
     if result is None:
         raise KareusError("--result DIR is required")
-    capped = power_cap_kw is not None or power_cap_w_per_gpu is not None
-    if power_cap_kw is not None and power_cap_w_per_gpu is not None:
-        raise KareusError("give one of --power-cap-kw and --power-cap-w-per-gpu")
+    capped = cap_given(power_cap_kw, power_cap_w_per_gpu)
     objective, value = _objective(result, max_throughput, min_energy, deadline,
                                   energy_budget, capped)
     method = _method_name(method)
     rd = ResultDir(result)
-    point = _chosen(rd, method, objective, value, power_cap_kw, power_cap_w_per_gpu,
-                    power_window_s)
+    point = chosen_point(rd, method, objective, value, power_cap_kw, power_cap_w_per_gpu,
+                         power_window_s)
     p, job = rd.read_plan(point["plan"])
     path = rd.plan_file(p.id)
     over = over_limit(point, objective, value)
@@ -161,35 +158,14 @@ def plan(
         console.print(_over_note(objective, over, value))
 
 
-def _chosen(rd: ResultDir, method: str, objective: str, value: Optional[float],
-            cap_kw: Optional[float], cap_w_per_gpu: Optional[float], window_s: float
-            ) -> dict[str, Any]:
-    """The frontier point ``objective`` picks, among the plans under the power cap when
-    one is given."""
-    frontier = rd.frontier(method)
-    capped = cap_kw is not None or cap_w_per_gpu is not None
-    if capped:
-        frontier = plans_under_cap(rd, frontier, cap_kw, cap_w_per_gpu, window_s)
-    try:
-        return select(frontier, objective, value)
-    except KareusError as exc:
-        if not capped:
-            raise
-        raise KareusError(f"{exc}, among the {len(frontier)} plans under the power cap"
-                          ) from None
-
-
 def _objective(result: str, max_throughput: bool, min_energy: bool,
                deadline: Optional[str], energy_budget: Optional[str], capped: bool
                ) -> tuple[str, Optional[float]]:
     """The one objective asked for and its limit; with a power cap alone, the fastest."""
     deadline_s = None if deadline is None else parse_time_s(deadline)
     budget_j = None if energy_budget is None else parse_energy_j(energy_budget)
-    if capped and not (max_throughput or min_energy or deadline_s is not None
-                       or budget_j is not None):
-        max_throughput = True
     try:
-        return objective_of(max_throughput, min_energy, deadline_s, budget_j)
+        return objective_of(max_throughput, min_energy, deadline_s, budget_j, capped)
     except KareusError as exc:
         raise KareusError(f"{exc}; {_list_command(result)} lists every plan") from None
 
@@ -353,16 +329,3 @@ def plan_show(
     if power_out is not None:
         console.print(f"power over time written to {power_out}")
 
-
-def settings_by_clock(plan: Plan) -> list[dict[str, Any]]:
-    """Per partition key and clock, each setting the plan uses and in how many
-    instructions."""
-    ex = plan.execution
-    count: Counter[tuple[str, int, int, str | None]] = Counter()
-    for iid, settings in ex.instruction_knobs.items():
-        f = ex.freq(*iid)
-        for key, s in settings.items():
-            count[(key, f, s.sms, s.slot)] += 1
-    return [{"partition": k, "freq_mhz": f, "sms": n, "slot": slot, "instructions": c}
-            for (k, f, n, slot), c in sorted(count.items(),
-                                             key=lambda x: (x[0][0], -x[0][1], x[0][2]))]

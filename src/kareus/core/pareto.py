@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def pareto_mask(points: Sequence[Sequence[float]] | np.ndarray) -> list[bool]:
@@ -37,6 +40,13 @@ def pareto_mask(points: Sequence[Sequence[float]] | np.ndarray) -> list[bool]:
             best_y = y_min
         i = j
     return keep.tolist()
+
+
+def pareto_front(items: Sequence[T], key: Callable[[T], tuple[float, float]]) -> list[T]:
+    """The items no other dominates by ``key`` (both minimised; `pareto_mask`), by their
+    first objective (ties in their order)."""
+    mask = pareto_mask([key(x) for x in items])
+    return sorted((x for x, keep in zip(items, mask) if keep), key=lambda x: key(x)[0])
 
 
 def hypervolume(points: np.ndarray, ref: Sequence[float]) -> float:

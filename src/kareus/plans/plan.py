@@ -7,6 +7,7 @@ the emulator's whole-iteration simulation of it (validation).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,9 +169,12 @@ def select(frontier: list[dict], objective: str, value: float | None = None) -> 
 
 
 def objective_of(max_throughput: bool = False, min_energy: bool = False,
-                 deadline_s: float | None = None, energy_budget_j: float | None = None
-                 ) -> tuple[str, float | None]:
-    """The one objective asked for, with its limit; KareusError unless exactly one."""
+                 deadline_s: float | None = None, energy_budget_j: float | None = None,
+                 capped: bool = False) -> tuple[str, float | None]:
+    """The one objective asked for, with its limit; KareusError unless exactly one.
+    ``capped`` (a power cap given) with none asked: the fastest plan under the cap."""
+    if capped and not (min_energy or deadline_s is not None or energy_budget_j is not None):
+        max_throughput = True
     chosen = [name for name, on in (("max-throughput", max_throughput),
                                     ("min-energy", min_energy),
                                     ("deadline", deadline_s is not None),
@@ -195,3 +199,17 @@ def over_limit(point: dict, objective: str, value: float | None) -> float | None
     if objective not in _LIMITED or value is None:
         return None
     return max(0.0, float(point[_LIMITED[objective][0]]) - value)
+
+
+def settings_by_clock(plan: Plan) -> list[dict[str, Any]]:
+    """Per partition key and clock, each setting the plan uses and in how many
+    instructions (`kareus plan show`'s table)."""
+    ex = plan.execution
+    count: Counter[tuple[str, int, int, str | None]] = Counter()
+    for iid, settings in ex.instruction_knobs.items():
+        f = ex.freq(*iid)
+        for key, s in settings.items():
+            count[(key, f, s.sms, s.slot)] += 1
+    return [{"partition": k, "freq_mhz": f, "sms": n, "slot": slot, "instructions": c}
+            for (k, f, n, slot), c in sorted(count.items(),
+                                             key=lambda x: (x[0][0], -x[0][1], x[0][2]))]

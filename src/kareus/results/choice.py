@@ -52,3 +52,28 @@ def plans_under_cap(rd: ResultDir, frontier: list[dict[str, Any]], cap_kw: Optio
         gpus = p.power.pp * p.power.gpus_per_rank
     cap_w = cap_kw * 1e3 if cap_kw is not None else float(cap_w_per_gpu or 0.0) * gpus
     return under_cap(frontier, cap_w, peaks, window_s)
+
+
+def cap_given(cap_kw: Optional[float], cap_w_per_gpu: Optional[float]) -> bool:
+    """Whether a power cap is given; KareusError when both of its forms are."""
+    if cap_kw is not None and cap_w_per_gpu is not None:
+        raise KareusError("give one of --power-cap-kw and --power-cap-w-per-gpu")
+    return cap_kw is not None or cap_w_per_gpu is not None
+
+
+def chosen_point(rd: ResultDir, method: str, objective: str, value: Optional[float],
+                 cap_kw: Optional[float], cap_w_per_gpu: Optional[float], window_s: float
+                 ) -> dict[str, Any]:
+    """The point of ``method``'s frontier that ``objective`` picks (kareus.plans.plan
+    .select), among the plans under the power cap when one is given."""
+    frontier = rd.frontier(method)
+    capped = cap_given(cap_kw, cap_w_per_gpu)
+    if capped:
+        frontier = plans_under_cap(rd, frontier, cap_kw, cap_w_per_gpu, window_s)
+    try:
+        return select(frontier, objective, value)
+    except KareusError as exc:
+        if not capped:
+            raise
+        raise KareusError(f"{exc}, among the {len(frontier)} plans under the power cap"
+                          ) from None
