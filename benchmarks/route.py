@@ -15,7 +15,7 @@ how often the route enters the partition module.
     python benchmarks/route.py --write-doc         # docs/architecture.md's figures, rewritten
     PYTHONPATH=/path/to/other/src python benchmarks/route.py   # another one, same job
 
-tests/benchmarks/test_route.py runs `measure` for both commands and holds each to
+tests/test_route.py runs `measure` for both commands and holds each to
 `ROUTE_BUDGET` climbs.
 
 The job is small (kareus-1 at two clocks, four microbatches, 20 samples per partition,
@@ -51,7 +51,7 @@ FLAT = {"compare": "workflows", "sensitivity": "workflows", "optimize": "workflo
 TRACKED = ("JobSpec", "Workload", "PartitionSet", "ExecutionGraph", "OptimizeRequest")
 COMMANDS = ("optimize", "profile")
 ROUTE_BUDGET = 10
-"""At most this many climbs per command (issue 40; tests/benchmarks/test_route.py)."""
+"""At most this many climbs per command (issue 40; tests/test_route.py)."""
 DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 BEGIN, END = "<!-- route.py --write-doc: begin -->", "<!-- route.py --write-doc: end -->"
 
