@@ -42,7 +42,7 @@ def one_run(args: list[str]) -> None:
     """In this process: one optimize; print its phases and peak RSS as JSON."""
     from kareus.job.sources import build_job
     from kareus.search.loop import SearchConfig
-    from kareus.workflows.optimize import optimize
+    from kareus.workflows.optimize import OptimizeRequest, optimize
 
     vp = int(args[1])
     overrides: dict = {"virtual_pipeline": vp}
@@ -51,7 +51,7 @@ def one_run(args: list[str]) -> None:
     job = build_job(args[0], overrides=overrides)
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
-        result = optimize(job, f"{out}/r", SearchConfig(budget=100, seed=0))
+        result = optimize(OptimizeRequest(job, f"{out}/r", SearchConfig(budget=100, seed=0)))
         total = time.perf_counter() - t0
     assert result is not None
     phases = dict(result.timings_s)

@@ -88,7 +88,7 @@ def _simulated_pairs(res, simulator, per_method: int
     """Per method, a stratified sample of its frontier's plans run by the noise-free
     emulator as whole iterations (what the plans really cost, whatever the numbers they
     were composed from), each beside its composed (time, energy): (run, composed)."""
-    from kareus.workflows.optimize import validation_sample
+    from kareus.results.validation import validation_sample
 
     out = {}
     for m, plans in res.plans.items():
@@ -124,7 +124,7 @@ def one(preset: str, seed: int, noise: float, gpu: str) -> dict:
     from kareus.profiling.profile import profile
     from kareus.profiling.step_fit import FitPolicy
     from kareus.search.loop import SearchConfig
-    from kareus.workflows.optimize import optimize
+    from kareus.workflows.optimize import OptimizeRequest, optimize
     from kareus.workload.workload import Workload
 
     wl = Workload.build(build_job(preset))
@@ -157,8 +157,9 @@ def one(preset: str, seed: int, noise: float, gpu: str) -> dict:
                          "fit_error": (r.steps.max_time_fit_error,
                                        r.steps.max_energy_fit_error),
                          "failed_series": r.steps.failed_series, "series": r.steps.series}
-            res = optimize(wl, f"{d}/{name}-out", config, executor=ExecutorSpec(workers=1),
-                           measurements=journal)
+            res = optimize(OptimizeRequest(wl, f"{d}/{name}-out", config,
+                                           executor=ExecutorSpec(workers=1),
+                                           measurements=journal))
             assert res is not None
             fronts[name] = res.frontier_points()
             pairs = _simulated_pairs(res, simulator, SIMULATED)

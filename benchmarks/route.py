@@ -2,7 +2,8 @@
 
 Follows the job through the calls of one in-process `kareus optimize` (or `profile`):
 every call of a Kareus function that receives the job or an object built from it (a
-JobSpec, Workload, PartitionSet or ExecutionGraph) as a parameter (not as ``self``: a
+JobSpec, Workload, PartitionSet or ExecutionGraph, or the OptimizeRequest that carries
+it) as a parameter (not as ``self``: a
 method of those objects uses the job where it is) is a step of the route, at the layer of
 the function's module (the layers contract in pyproject.toml, top first). Consecutive steps
 in one layer are one stop. A climb is a stop in a higher layer than the stop before it:
@@ -10,7 +11,12 @@ the route went down to derive something and came back up for the next thing. Als
 how often the route enters the partition module.
 
     python benchmarks/route.py                     # this checkout
+    python benchmarks/route.py --command profile
+    python benchmarks/route.py --write-doc         # docs/architecture.md's figures, rewritten
     PYTHONPATH=/path/to/other/src python benchmarks/route.py   # another one, same job
+
+tests/test_route.py runs `measure` for both commands and holds each to
+`ROUTE_BUDGET` climbs.
 
 The job is small (kareus-1 at two clocks, four microbatches, 20 samples per partition,
 searches in this process) so that the trace takes a few seconds; the route's shape does
@@ -20,15 +26,20 @@ not depend on the budget.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
+import re
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-# The top-level layers, top first; a flat module of an older layout maps to its package.
-LAYERS = ["cli", "workflows", "results", "compose|search|runtime", "backends", "gpu|store",
-          "plans", "workload", "job", "ray_support", "core", "errors"]
+# The top-level layers, top first (the layers contract in pyproject.toml); a flat module of
+# an older layout maps to its package.
+LAYERS = ["cli", "workflows", "profiling", "integrations", "results",
+          "compose|search|runtime", "backends", "gpu|store", "plans", "workload", "job",
+          "ray_support", "core", "errors"]
 FLAT = {"compare": "workflows", "sensitivity": "workflows", "optimize": "workflows",
         "perseus": "workflows", "profile_ray": "workflows", "profile": "workflows",
         "executors": "workflows", "resultdir": "results", "report": "results",
@@ -37,7 +48,12 @@ FLAT = {"compare": "workflows", "sensitivity": "workflows", "optimize": "workflo
         "partition": "workload", "memory": "workload", "sources": "job", "presets": "job",
         "spec": "job", "hardware": "job", "atomic": "core", "jsonfile": "core",
         "pareto": "core"}
-TRACKED = ("JobSpec", "Workload", "PartitionSet", "ExecutionGraph")
+TRACKED = ("JobSpec", "Workload", "PartitionSet", "ExecutionGraph", "OptimizeRequest")
+COMMANDS = ("optimize", "profile")
+ROUTE_BUDGET = 10
+"""At most this many climbs per command (issue 40; tests/test_route.py)."""
+DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+BEGIN, END = "<!-- route.py --write-doc: begin -->", "<!-- route.py --write-doc: end -->"
 
 
 def layer_of(module: str) -> int | None:
@@ -78,13 +94,14 @@ def trace(argv: list[str]) -> tuple[list[int], int]:
                     and caller.f_globals.get("__name__") != module):
                 partition_entries += 1
 
+    previous = sys.getprofile()
     sys.setprofile(hook)
     try:
         main(argv)
     except SystemExit:
         pass
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return steps, partition_entries
 
 
@@ -93,32 +110,65 @@ def climbs(steps: list[int]) -> tuple[list[int], int]:
     return stops, sum(1 for a, b in itertools.pairwise(stops) if b < a)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--command", default="optimize", choices=("optimize", "profile"))
-    args = ap.parse_args()
+def measure(command: str) -> tuple[int, list[int], int, int]:
+    """One in-process ``command`` (optimize or profile) on the small job: (calls carrying
+    the job, the stops (their layers, in order), climbs, entries into the partition
+    module)."""
+    if command not in COMMANDS:
+        raise ValueError(f"command takes {' or '.join(COMMANDS)}, got {command!r}")
     job = ["-p", "kareus-1", "--freqs", "1410,1200", "--microbatches", "4"]
     with tempfile.TemporaryDirectory() as tmp:
-        if args.command == "optimize":
+        if command == "optimize":
             argv = ["optimize", *job, "--budget", "20", "--workers", "1", "--out",
                     str(Path(tmp) / "o"), "--json"]
         else:
             argv = ["profile", *job, "--backend", "emulator", "--budget", "20",
                     "--journal", str(Path(tmp) / "j.sqlite"), "--json"]
-        import contextlib
-        import io
-
         with contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             steps, entries = trace(argv)
     stops, n = climbs(steps)
+    return len(steps), stops, n, entries
+
+
+def doc_block(figures: dict[str, tuple[int, list[int], int, int]]) -> str:
+    """docs/architecture.md's figures, as `--write-doc` writes them."""
+    rows = [f"| {c} | {calls} | {len(stops)} | {n} | {entries} |"
+            for c, (calls, stops, n, entries) in figures.items()]
+    return "\n".join([BEGIN, "| command | calls carrying the job | stops | climbs "
+                      f"(budget {ROUTE_BUDGET}) | entries into partition.py |",
+                      "|---|---|---|---|---|", *rows, END])
+
+
+def write_doc(figures: dict[str, tuple[int, list[int], int, int]], doc: Path = DOC) -> None:
+    """Replace the figures between the markers in ``doc`` with these."""
+    text = doc.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{doc}: no block between {BEGIN} and {END}")
+    doc.write_text(pattern.sub(lambda _m: doc_block(figures), text))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--command", default="optimize", choices=COMMANDS)
+    ap.add_argument("--write-doc", action="store_true",
+                    help="measure both commands and rewrite docs/architecture.md's figures")
+    args = ap.parse_args()
     import kareus
 
     print(f"kareus at {Path(kareus.__file__).parent}")
-    print(f"{args.command}: {len(steps)} calls carry the job; {len(stops)} stops; "
-          f"{n} climbs back up a layer; the partition module entered {entries} times")
-    print("stops per layer: " + ", ".join(
-        f"{LAYERS[k]} {v}" for k, v in sorted(Counter(stops).items())))
+    commands = COMMANDS if args.write_doc else (args.command,)
+    figures = {c: measure(c) for c in commands}
+    for command, (calls, stops, n, entries) in figures.items():
+        print(f"{command}: {calls} calls carry the job; {len(stops)} stops; "
+              f"{n} climbs back up a layer (budget {ROUTE_BUDGET}); the partition module "
+              f"entered {entries} times")
+        print("stops per layer: " + ", ".join(
+            f"{LAYERS[k]} {v}" for k, v in sorted(Counter(stops).items())))
+    if args.write_doc:
+        write_doc(figures)
+        print(f"wrote {DOC}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from kareus.compose.options import Composer, key_frontiers
 from kareus.core import Knobs, Measurement
 from kareus.job.sources import build_job
 from kareus.plans.methods import get_method
-from kareus.workflows.optimize import _plans
+from kareus.results.validation import frontier_plans as _plans
 from kareus.workload.partition import Partition
 from kareus.workload.workload import Workload
 

@@ -12,7 +12,7 @@ from kareus.job.sources import build_job
 from kareus.profiling.executors import ExecutorSpec
 from kareus.search import SearchConfig
 from kareus.store import Journal
-from kareus.workflows.optimize import optimize
+from kareus.workflows.optimize import OptimizeRequest, optimize
 from kareus.workload.workload import Workload
 
 JOB = build_job("kareus-1", overrides={"num_microbatches": 4,
@@ -71,9 +71,9 @@ def test_replay_needs_a_journal_of_this_job(tmp_path):
 def test_optimize_on_replay_gives_the_emulator_frontiers(tmp_path):
     config = SearchConfig(budget=20, seed=3)
     ex = ExecutorSpec(workers=2)
-    emulated = optimize(JOB, str(tmp_path / "emu"), config, executor=ex)
+    emulated = optimize(OptimizeRequest(JOB, str(tmp_path / "emu"), config, executor=ex))
     spec = replay_spec(str(tmp_path / "emu" / "journal.sqlite"))
-    replayed = optimize(JOB, str(tmp_path / "replay"), config, spec, ex)
+    replayed = optimize(OptimizeRequest(JOB, str(tmp_path / "replay"), config, spec, ex))
     assert replayed.frontier_points() == emulated.frontier_points()
     # a replay measures nothing: every sample is the journal's
     assert all(s.measured_this_run == 0 and s.reused_from_journal == len(s.samples) > 0

@@ -9,7 +9,7 @@ from kareus.job.sources import build_job
 from kareus.plans.methods import Method, all_methods, get_method, register, registered
 from kareus.profiling.executors import ExecutorSpec
 from kareus.search import SearchConfig
-from kareus.workflows.optimize import optimize
+from kareus.workflows.optimize import OptimizeRequest, optimize
 
 TOY = Method("toy", "Toy method", clocks="search", options=("sequential",), overlap=False,
              color="#000000", marker="x", aliases=("toy_alias",))
@@ -51,9 +51,9 @@ def test_a_registered_toy_method_reaches_result_report_and_figure(tmp_path):
     job = build_job("kareus-1", overrides={"num_microbatches": 4,
                                            "search_freqs_mhz": (1410, 1200, 1005)})
     with registered(TOY):
-        r = optimize(job, str(tmp_path), SearchConfig(budget=20, seed=0),
-                     executor=ExecutorSpec(workers=1),
-                     methods=("megatron", "perseus", "toy"))
+        r = optimize(OptimizeRequest(job, str(tmp_path), SearchConfig(budget=20, seed=0),
+                                     executor=ExecutorSpec(workers=1),
+                                     methods=("megatron", "perseus", "toy")))
     doc = json.loads((tmp_path / "result.json").read_text())
     assert set(doc["methods"]) == {"megatron", "perseus", "toy"}
     assert "iso_time_energy_reduction" in doc["metrics"]["toy"]

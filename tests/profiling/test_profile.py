@@ -16,7 +16,7 @@ from kareus.profiling.executors import journal_lock
 from kareus.profiling.profile import COMPOSITION, composition_needs, profile
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
-from kareus.workflows.optimize import optimize
+from kareus.workflows.optimize import OptimizeRequest, optimize
 from kareus.workload.workload import Workload
 from tests.conftest import run_cli
 
@@ -81,7 +81,7 @@ def _frontiers(doc):
 
 def test_measurements_give_the_frontiers_of_optimize(profiled, tmp_path):
     path, _, _ = profiled
-    direct = optimize(JOB, str(tmp_path / "direct"), CONFIG).to_dict()
+    direct = optimize(OptimizeRequest(JOB, str(tmp_path / "direct"), CONFIG)).to_dict()
     r = run_cli("optimize", *ARGS, "--measurements", path, "--out", str(tmp_path / "m"),
                 "--json")
     assert r.code == 0, r.err
@@ -217,7 +217,7 @@ def test_profile_of_an_unsplit_microbatch_measures_what_megatron_and_perseus_nee
     result = profile(job, path, EmulatorSpec(), CONFIG)
     assert result.searches == [] and result.steps is not None and result.steps.needed > 0
     assert result.steps.measured + result.steps.fitted == result.steps.needed
-    r = optimize(job, str(tmp_path / "r"), CONFIG, measurements=path)
+    r = optimize(OptimizeRequest(job, str(tmp_path / "r"), CONFIG, measurements=path))
     assert r is not None and set(r.plans) == {"megatron", "perseus"}
     assert r.sources is not None and r.sources["filled"] == []
     refused = run_cli("profile", "-p", "kareus-1", "--mbs", "3", "--backend", "emulator",

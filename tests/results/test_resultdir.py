@@ -15,7 +15,7 @@ from kareus.profiling.executors import ExecutorSpec
 from kareus.results.resultdir import MARKER, ResultDir
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
-from kareus.workflows.optimize import optimize
+from kareus.workflows.optimize import OptimizeRequest, optimize
 from tests.conftest import run_cli
 
 JOB = build_job("kareus-1", overrides={"num_microbatches": 4,
@@ -25,8 +25,8 @@ JOB = build_job("kareus-1", overrides={"num_microbatches": 4,
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
     out = tmp_path_factory.mktemp("rd") / "run"
-    result = optimize(JOB, str(out), SearchConfig(budget=20, seed=1),
-                      executor=ExecutorSpec(workers=1))
+    result = optimize(OptimizeRequest(JOB, str(out), SearchConfig(budget=20, seed=1),
+                                      executor=ExecutorSpec(workers=1)))
     return ResultDir(out), result
 
 

@@ -19,7 +19,7 @@ from kareus.results.resultdir import ResultDir
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
 from kareus.workflows import optimize as optimize_module
-from kareus.workflows.optimize import OptimizeRun, prepare_optimize
+from kareus.workflows.optimize import OptimizeRequest, OptimizeRun, prepare_optimize
 from kareus.workflows.profile import journal_lock, prepare_profile
 from kareus.workload.workload import Workload
 from tests.conftest import run_cli
@@ -209,7 +209,7 @@ def test_ranks_that_only_measure_take_no_lock(tmp_path, monkeypatch):
     assert run.quiet and run.lock is None and not list(tmp_path.iterdir())
     monkeypatch.setattr(OptimizeRun, "measures_only", property(lambda _self: True))
     monkeypatch.setattr(optimize_module, "check_profile", lambda *_a, **_k: [])
-    run2 = prepare_optimize(job, str(tmp_path / "out"), SearchConfig(budget=20))
+    run2 = prepare_optimize(OptimizeRequest(job, str(tmp_path / "out"), SearchConfig(budget=20)))
     assert run2.lock is None and not list(tmp_path.iterdir())
 
 

@@ -7,7 +7,7 @@ from kareus.plans.plan import DEADLINE_TOLERANCE_S
 from kareus.profiling.executors import ExecutorSpec
 from kareus.search import SearchConfig
 from kareus.store import job_id
-from kareus.workflows.optimize import optimize
+from kareus.workflows.optimize import OptimizeRequest, optimize
 from tests.conftest import run_cli
 
 
@@ -15,8 +15,8 @@ from tests.conftest import run_cli
 def result(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     job = build_job(request.param)
-    return optimize(job, str(out), SearchConfig(budget=30, seed=0),
-                    executor=ExecutorSpec(workers=2)), out
+    return optimize(OptimizeRequest(job, str(out), SearchConfig(budget=30, seed=0),
+                                    executor=ExecutorSpec(workers=2))), out
 
 
 def test_the_validated_plans_match_the_simulation(result):
@@ -189,13 +189,13 @@ def test_optimize_at_mbs_3_runs_megatron_and_perseus_and_says_what_it_left_out(t
 
 def test_optimize_refuses_when_no_method_asked_for_can_run(tmp_path):
     from kareus.errors import SpecError
-    from kareus.workflows.optimize import prepare_optimize
+    from kareus.workflows.optimize import OptimizeRequest, prepare_optimize
 
     job = build_job("kareus-1", overrides={"micro_batch_size": 3})
     with pytest.raises(SpecError, match=r"no method to run: left out kareus: it splits each "
                                         r"microbatch .* this job has 3\)"):
-        prepare_optimize(job, str(tmp_path / "r"), SearchConfig(budget=20),
-                         methods=("kareus",))
+        prepare_optimize(OptimizeRequest(job, str(tmp_path / "r"), SearchConfig(budget=20),
+                                         methods=("kareus",)))
     assert not (tmp_path / "r").exists()
 
 

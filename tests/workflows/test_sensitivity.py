@@ -15,7 +15,7 @@ from kareus.profiling.executors import ExecutorSpec
 from kareus.results.sensitivity_report import sensitivity_markdown
 from kareus.search import SearchConfig
 from kareus.workflows.compare import METRIC_COLUMNS, run_suite
-from kareus.workflows.optimize import optimize
+from kareus.workflows.optimize import OptimizeRequest, optimize
 from kareus.workflows.sensitivity import (
     Constant,
     SensitivityCase,
@@ -37,8 +37,9 @@ def small_job(preset: str = "kareus-1"):
 @pytest.fixture(scope="module")
 def nominal(tmp_path_factory):
     job = small_job()
-    r = optimize(job, str(tmp_path_factory.mktemp("small")), SearchConfig(budget=20, seed=0),
-                 executor=ExecutorSpec(workers=1))
+    r = optimize(OptimizeRequest(job, str(tmp_path_factory.mktemp("small")),
+                                 SearchConfig(budget=20, seed=0),
+                                 executor=ExecutorSpec(workers=1)))
     return SensitivityCase.from_searches("small", job, r.searches, r.metrics["kareus"])
 
 

@@ -16,7 +16,7 @@ from kareus.profiling.executors import ExecutorSpec
 from kareus.results.result import OptimizeResult
 from kareus.search.loop import SearchConfig
 from kareus.workflows.compare import prepare_suite
-from kareus.workflows.optimize import prepare_optimize
+from kareus.workflows.optimize import OptimizeRequest, prepare_optimize
 from kareus.workflows.progress import ProgressBars
 from kareus.workflows.sensitivity import CONSTANTS, SensitivitySpec
 from kareus.workload.workload import Workload
@@ -57,9 +57,9 @@ def optimize(
     With --backend nvml: profile every partition and composition step on the local GPU
     first (as `kareus profile`), then compose from those measurements."""
     config = SearchConfig(budget=budget, seed=backend.seed, tolerance=tolerance)
-    run = prepare_optimize(Workload.build(job), out, config, backend, executor, force=force,
-                           fill_missing=fill_missing, solver=pipeline_solver,
-                           validate_plans=validate_plans)
+    run = prepare_optimize(OptimizeRequest(
+        Workload.build(job), out, config, backend, executor, force=force,
+        fill_missing=fill_missing, solver=pipeline_solver, validate_plans=validate_plans))
     if run.left_out_line and not run.measures_only:
         (stderr_console() if json_out else console).print(
             run.left_out_line, soft_wrap=True, markup=False, highlight=False)

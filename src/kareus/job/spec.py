@@ -8,6 +8,7 @@ checked here, with a message that says what to change.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kareus.errors import SpecError
 from kareus.job import nanobatch
 from kareus.job.hardware import GPUSpec, NodeSpec, check_node, get_gpu, node_of
+from kareus.job.identity import job_identity
 from kareus.job.limits import (
     MAX_FFN_HIDDEN_SIZE,
     MAX_GPUS,
@@ -192,6 +194,7 @@ class JobSpec(BaseModel):
                 f"{MAX_PIPELINE_INSTRUCTIONS:,}; use fewer microbatches or stages")
         self._check_stages()
         self._check_knobs(gpu)
+        _ = self.id  # once, here, where the job is (the route: benchmarks/route.py)
         return self
 
     def _check_placement(self) -> None:
@@ -287,6 +290,11 @@ class JobSpec(BaseModel):
     @property
     def num_gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @cached_property
+    def id(self) -> str:
+        """The job's stable identity, its journal key (kareus.job.identity)."""
+        return job_identity(self)
 
     @property
     def tokens_per_iteration(self) -> int:

@@ -12,7 +12,6 @@ from kareus import SCHEMA_VERSION
 from kareus.job.spec import JobSpec
 from kareus.plans.plan import Plan
 from kareus.search.loop import SearchResult
-from kareus.store import job_id
 
 _SEARCH_FIELDS = ("partition", "strategy", "stopped", "hypervolume")
 _RUN_FIELDS = ("measured_this_run", "reused_from_journal", "profiling_cost_s")
@@ -64,7 +63,7 @@ class OptimizeResult:
 
     @property
     def job_id(self) -> str:
-        return job_id(self.job)
+        return self.job.id
 
     def content_id(self) -> str:
         """A run id that names the result itself (timings aside): a rerun that finds

@@ -13,7 +13,6 @@ What is taken for a journal and how its file is opened, made and upgraded:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import time
@@ -25,7 +24,6 @@ from typing import Protocol
 
 from kareus.core import Knobs, Measurement
 from kareus.core.measurement import FIELDS
-from kareus.job.nanobatch import default_split
 from kareus.job.spec import JobSpec
 from kareus.store.file import (
     JournalError,
@@ -49,28 +47,9 @@ _NONE_SLOT = "none"  # SQL NULLs are never equal, so the no-overlap slot is stor
 
 
 def job_id(job: JobSpec) -> str:
-    """A stable identity of the job: hash of its canonical JSON (without
-    ``virtual_pipeline`` when it is 1, ``cp_comm_type`` when it is ``allgather`` nor
-    ``nanobatch_split`` when it is the job's default, nor ``node`` when it is None (the
-    GPU's default node), nor the ``training`` settings at their defaults, so that jobs
-    journaled before those fields existed keep their id; a ``p2p`` job's id differs, and so
-    do its measurements)."""
-    doc = job.model_dump(mode="json")
-    if doc.get("nanobatch_split") == default_split(job):
-        del doc["nanobatch_split"]
-    if doc.get("virtual_pipeline") == 1:
-        del doc["virtual_pipeline"]
-    if doc.get("cp_comm_type") == "allgather":
-        del doc["cp_comm_type"]
-    if doc.get("node", "") is None:
-        del doc["node"]
-    # the training settings (kareus.job.training): only those that differ from the defaults
-    if training := job.training.non_default():
-        doc["training"] = training
-    else:
-        del doc["training"]
-    text = json.dumps(doc, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """The job's stable identity (`JobSpec.id`, kareus.job.identity: computed once, when
+    the job is validated); the journal names the job by it."""
+    return job.id
 
 
 @dataclass(frozen=True)
@@ -156,7 +135,7 @@ class Journal:
     # Writing ------------------------------------------------------------------------------
 
     def register_job(self, job: JobSpec) -> str:
-        jid = job_id(job)
+        jid = job.id
         try:
             with self._tx():
                 self.conn.execute(

@@ -27,15 +27,13 @@ from kareus.plans.methods import (
     ISO_REFERENCE,
     all_methods,
     display_name,
-    get_method,
-    left_out_line,
 )
 from kareus.profiling.executors import ExecutorSpec
 from kareus.results.report import figure_frontiers, frontier_figure, iso_power_markdown
 from kareus.results.resultdir import ResultDir
 from kareus.results.sensitivity_report import range_note, sensitivity_markdown
 from kareus.search.loop import SearchConfig
-from kareus.workflows.optimize import OptimizeRun, check_optimize
+from kareus.workflows.optimize import OptimizeRequest, OptimizeRun, check_optimize
 from kareus.workflows.sensitivity import (
     HEADLINE_METHOD,
     SensitivityCase,
@@ -133,8 +131,8 @@ class SuiteRun:
             job = prepared.workload.job
             r = prepared.run()
             assert r is not None  # the emulator: no rank measures only
-            if log and r.left_out:
-                log(f"{preset}: " + left_out_line([get_method(m) for m in r.left_out], job))
+            if log and prepared.left_out_line:
+                log(f"{preset}: {prepared.left_out_line}")
             figures.append((preset, figure_frontiers(r), job.describe()))
             configs.append({
                 "preset": preset,
@@ -188,9 +186,9 @@ def prepare_suite(suite: str, out_dir: str | Path, budget: int = 100, seed: int 
     runs = []
     for preset in SUITES[suite]:
         assert preset in JOB_PRESETS
-        runs.append((preset, check_optimize(
+        runs.append((preset, check_optimize(OptimizeRequest(
             Workload.build(build_job(preset)), str(Path(out_dir) / preset), config, spec,
-            ExecutorSpec(workers=workers), within=str(out.target()))))
+            ExecutorSpec(workers=workers), within=str(out.target())))))
     return SuiteRun(suite, out, runs, budget, seed, noise, workers, sensitivity,
                     held=out.lock())  # last: a refusal creates nothing
 

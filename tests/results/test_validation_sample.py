@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kareus.compose.pipeline import PipelineCosts
-from kareus.workflows.optimize import default_validation_sample, validation_sample
+from kareus.results.validation import default_validation_sample, validation_sample
 
 
 @given(st.integers(1, 400), st.integers(0, 50))
