@@ -2,7 +2,7 @@ import pytest
 
 from kareus.backends.emulator import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import journal_first
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
@@ -98,7 +98,7 @@ def k1():
     b = EmulatorBackend(job)
     sim = IterationSimulator(ps, b)
     fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-        ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+        ps[k], journal_first(b, None, job), job.freqs_mhz,
         SearchConfig(budget=40)).samples] for k in ps.keys})
     return job, ps, sim, Composer(ps, b, job.freqs_mhz), fronts
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import journal_first
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import evaluate, solve_frontier
 from kareus.job.sources import build_job
@@ -20,7 +20,7 @@ def solved(request):
     ps = Workload.build(job).partitions
     b = EmulatorBackend(job)
     fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-        ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+        ps[k], journal_first(b, None, job), job.freqs_mhz,
         SearchConfig(budget=30)).samples] for k in ps.keys})
     comp = Composer(ps, b, job.freqs_mhz)
     costs = comp.pipeline_costs()

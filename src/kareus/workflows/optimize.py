@@ -20,6 +20,7 @@ from typing import Any
 
 from kareus.backends.base import PlanSimulator
 from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import open_measuring
 from kareus.backends.registry import (
     BackendSpec,
     backend_kind,
@@ -52,7 +53,7 @@ from kareus.profiling.profile import DEFAULT_PRIOR, check_profile, profile, torc
 from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.search.loop import SearchConfig, SearchResult
-from kareus.store import Journal, job_id
+from kareus.store import job_id
 from kareus.workflows.measured import fitted_summary, measured_composer, refuse_missing
 from kareus.workflows.power_limited import iso_power, power_limited_megatron
 from kareus.workload.workload import Workload
@@ -189,8 +190,7 @@ class OptimizeRun:
         t0 = time.perf_counter()
         fronts = key_frontiers({r.partition: [(s.knobs, s.measurement) for s in r.samples]
                                 for r in searches})
-        with self.backend.open(wl) as measuring, Journal(rd.journal) as journal:
-            b = JournaledBackend(measuring, journal, journal.register_job(wl.job))
+        with open_measuring(self.backend, wl, str(rd.journal)) as b:
             composer = Composer(wl.partitions, b, wl.job.freqs_mhz)
             solved = method_frontiers(composer, self.methods, fronts, say, self.solver)
             composer.pipeline_costs()  # answered already: nothing is measured after this
