@@ -137,8 +137,7 @@ def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
         journaling = JournalPolicy(record=group.rank == 0,
                                    agree=group.agree if several else None)
         with Journal(journal) as store, open_measuring(
-                spec, workload, store, group=group, policy=journaling,
-                jid=store.register_job(job)) as measured:
+                spec, workload, store, group=group, policy=journaling) as measured:
             # without clock changes the job's one clock (the spec's check): the nvml
             # backend refuses to measure while the GPU runs another
             searches = []

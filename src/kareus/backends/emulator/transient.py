@@ -54,11 +54,11 @@ class TransientRuns:
     def __init__(self, backend: EmulatorBackend, partitions: PartitionSet) -> None:
         self.backend = backend
         self.partitions = partitions
-        self._sim: IterationSimulator | None = None
+        self._sim = IterationSimulator(partitions, backend)
         self._settled: dict[tuple, LimiterState] = {}
 
     def measure(self, run: TransientRun, freq_mhz: int) -> Measurement:
-        sim = self._simulator()
+        sim = self._sim
         plan = _plan(run, freq_mhz)
         iid = (run.stage, 0, run.direction)
         key = (run.stage, run.direction, run.sequential, run.settings, freq_mhz)
@@ -68,11 +68,6 @@ class TransientRuns:
         state = LimiterState(settled.avg_power_w, settled.cap_mhz, settled.since_tick_s)
         self.backend.timeline.rest(state, run.wait_s, freq_mhz)
         return sim._continuous(plan, iid, freq_mhz, state)
-
-    def _simulator(self) -> IterationSimulator:
-        if self._sim is None:
-            self._sim = IterationSimulator(self.partitions, self.backend)
-        return self._sim
 
     def _settle(self, sim: IterationSimulator, plan: ExecutionPlan,
                 iid: tuple[int, int, str], freq_mhz: int) -> LimiterState:
