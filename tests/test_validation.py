@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kareus.backends.base import WrappedBackend
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator import EmulatorBackend, emulator_for
 from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.compose.methods import method_frontiers
 from kareus.compose.options import Composer, key_frontiers
@@ -61,7 +61,7 @@ def _worst_errors(backend, calibration=None) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def honest():
-    return _worst_errors(EmulatorBackend(JOB))
+    return _worst_errors(emulator_for(Workload.build(JOB)))
 
 
 def test_correct_measurements_validate_within_a_few_percent_but_not_zero(honest):
@@ -83,5 +83,5 @@ def test_without_the_limiters_memory_composed_and_simulated_agree(tmp_path):
     # up partitions measured in loops whose host keeps ahead, so it is switched off here
     cal.write_text(json.dumps({"emulator_params": {
         "limiter_tau_s": 0, "host_module_s": 0, "host_basic_op_s": 0}}))
-    t, e = _worst_errors(EmulatorBackend(JOB, calibration=str(cal)), str(cal))
+    t, e = _worst_errors(emulator_for(Workload.build(JOB), calibration=str(cal)), str(cal))
     assert max(t, e) < 1e-6

@@ -1,8 +1,8 @@
 import pytest
 
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator import emulator_for
 from kareus.backends.emulator.iteration import IterationSimulator
-from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import journal_first
 from kareus.compose.instruction import InstructionOption, KeyOption, combine, pareto_front
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import PipelineCosts, evaluate, solve_frontier
@@ -94,11 +94,11 @@ def test_solver_trades_time_for_energy():
 @pytest.fixture(scope="module")
 def k1():
     job = build_job("kareus-1")
-    ps = Workload.build(job).partitions
-    b = EmulatorBackend(job)
+    w = Workload.build(job)
+    ps, b = w.partitions, emulator_for(w)
     sim = IterationSimulator(ps, b)
     fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-        ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+        ps[k], journal_first(b, None, job), job.freqs_mhz,
         SearchConfig(budget=40)).samples] for k in ps.keys})
     return job, ps, sim, Composer(ps, b, job.freqs_mhz), fronts
 

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from kareus.backends.emulator import EmulatorBackend
-from kareus.backends.journaled import JournaledBackend
+from kareus.backends.emulator import EmulatorBackend, emulator_for
+from kareus.backends.measuring import journal_first
 from kareus.compose.options import Composer, key_frontiers
 from kareus.compose.pipeline import evaluate, solve_frontier
 from kareus.job.sources import build_job
@@ -17,10 +17,10 @@ from kareus.workload.workload import Workload
 @pytest.fixture(scope="module", params=["kareus-1", "kareus-2"])
 def solved(request):
     job = build_job(request.param)
-    ps = Workload.build(job).partitions
-    b = EmulatorBackend(job)
+    w = Workload.build(job)
+    ps, b = w.partitions, emulator_for(w)
     fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-        ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+        ps[k], journal_first(b, None, job), job.freqs_mhz,
         SearchConfig(budget=30)).samples] for k in ps.keys})
     comp = Composer(ps, b, job.freqs_mhz)
     costs = comp.pipeline_costs()

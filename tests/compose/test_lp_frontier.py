@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator import emulator_for
 from kareus.compose.instruction import InstructionOption
 from kareus.compose.lp_frontier import lower_hull
 from kareus.compose.options import Composer
@@ -35,7 +35,8 @@ def _energy_at(front, times_s):
 @pytest.mark.parametrize(("preset", "method"), CASES, ids=["-".join(c) for c in CASES])
 def test_lp_frontier_matches_or_beats_phillips_dessouky(preset, method):
     job = build_job(preset)
-    comp = Composer(Workload.build(job).partitions, EmulatorBackend(job), job.freqs_mhz)
+    w = Workload.build(job)
+    comp = Composer(w.partitions, emulator_for(w), job.freqs_mhz)
     # steady costs alone: the wait transients evaluate() adds (kareus.compose.transient)
     # are the same for both solvers and would make the schedule check below circular
     options = {k: [replace(o, transient=None) for o in v]
@@ -62,7 +63,8 @@ def test_with_wait_transients_the_lp_reaches_its_own_fastest_time():
     # evaluated one (infeasible to it), or the fast end of the frontier is left to the
     # slack-filled all-fastest plan: +0.62% against PD on this job before the fix.
     job = build_job("kareus-2")
-    comp = Composer(Workload.build(job).partitions, EmulatorBackend(job), job.freqs_mhz)
+    w = Workload.build(job)
+    comp = Composer(w.partitions, emulator_for(w), job.freqs_mhz)
     options = comp.options(get_method("nanobatch_perseus"))
     assert any(o.transient is not None and o.transient.throttled
                for v in options.values() for o in v)
@@ -120,7 +122,8 @@ def test_phillips_dessouky_reaches_the_fast_end():
     # kareus-2 at the default training settings, the case this test is about (with the
     # artifact's, which the preset now takes, the walk reaches the fast end by itself)
     job = build_job("kareus-2", overrides={"training": {}})
-    comp = Composer(Workload.build(job).partitions, EmulatorBackend(job), job.freqs_mhz)
+    w = Workload.build(job)
+    comp = Composer(w.partitions, emulator_for(w), job.freqs_mhz)
     options = comp.options(get_method("perseus"))
     costs = comp.pipeline_costs()
     lp = solve_frontier(options, costs, solver="lp")

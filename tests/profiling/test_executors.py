@@ -9,9 +9,9 @@ from kareus.job.sources import build_job
 from kareus.profiling.executors import (
     ExecutorSpec,
     journal_lock,
-    make_task,
     run_tasks,
 )
+from kareus.profiling.tasks import make_task
 from kareus.search import SearchConfig
 from kareus.store import Journal, job_id
 from tests.conftest import run_cli

@@ -33,8 +33,7 @@ from kareus.backends.registry import cost_model_kinds
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError
 from kareus.job.hardware import GPUSpec
-from kareus.job.spec import JobSpec
-from kareus.store import Journal, JournalLike, in_use_note
+from kareus.store import JournalLike, in_use_note
 from kareus.workload.ops import Op
 from kareus.workload.partition import Partition
 
@@ -44,7 +43,8 @@ class MissingMeasurement(KareusError):
 
 
 class JournaledBackend(WrappedBackend):
-    """``inner``'s measurements, through ``journal`` under job ``job_id``."""
+    """``inner``'s measurements, through ``journal`` under job ``job_id``. Opened through
+    kareus.backends.measuring (the one factory), which says its policy."""
 
     def __init__(self, inner: Backend, journal: JournalLike, job_id: str, *,
                  record: bool = True, fill: Backend | None = None) -> None:
@@ -63,13 +63,6 @@ class JournaledBackend(WrappedBackend):
         self.counts: Counter[str] = Counter()
         """Answers given, by origin ("journal", "measured", "filled")."""
         self._filled: dict[Need, None] = {}
-
-    @classmethod
-    def in_memory(cls, inner: Backend, job: JobSpec) -> JournaledBackend:
-        """``inner``, journal first through a journal in memory (kept for this object's
-        life only: a search that needs no file journal)."""
-        journal = Journal(":memory:")
-        return cls(inner, journal, journal.register_job(job))
 
     def identity(self) -> str:
         return self._identity

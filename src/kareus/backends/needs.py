@@ -15,7 +15,7 @@ from typing import Protocol
 from kareus.core import Knobs, Measurement, PartitionSetting
 from kareus.errors import KareusError
 from kareus.workload.ops import Op, ops_signature
-from kareus.workload.partition import Partition, PartitionSet
+from kareus.workload.partition import Partition
 
 TRANSIENT = "transient"
 """Prefix of a wait transient's key (journaled with the runs of ops, under this key)."""
@@ -32,9 +32,10 @@ class TransientRun:
     setting at the backend's default SMs, launched at their first slot) repeated back to
     back until the power limiter has settled, then ``wait_s`` idle, then run once. Its
     measurement is that one run; at ``wait_s = 0`` it is the instruction's steady state
-    in the same loop, the reference its transients are compared with."""
+    in the same loop, the reference its transients are compared with. It names the
+    instruction only: the backend that answers it was opened for the workload and knows
+    its partitions."""
 
-    partitions: PartitionSet = field(compare=False, repr=False)
     stage: int
     direction: str
     wait_s: float

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend, JournalOnly
+from kareus.backends.measuring import JournalPolicy, journal_first
 from kareus.backends.options import option
 from kareus.backends.registry import Agree, BackendSpec, Capabilities, CollectiveFactory
 from kareus.errors import KareusError, SpecError
@@ -84,8 +85,8 @@ def open_replay(path: str | Path, job: JobSpec, identity: str | None = None,
             raise KareusError(f"journal {where}: backend {identity} measured a "
                               f"{info.get('gpu')}, the job runs on {job.gpu_spec.name}")
         # the journal's rows are read now; the connection is not kept
-        return JournaledBackend(JournalOnly(identity, info, job.gpu_spec, str(where)), j,
-                                jid, record=False, fill=fill)
+        return journal_first(JournalOnly(identity, info, job.gpu_spec, str(where)), j, jid,
+                             JournalPolicy(record=False, fill=fill))
 
 
 def _choose_identity(j: Journal, path: Path, jid: str, identity: str | None) -> str:

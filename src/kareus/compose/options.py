@@ -104,8 +104,8 @@ class Composer:
         """``o`` with its wait transient (kareus.compose.transient), measured on demand
         when a plan's evaluation first asks for it."""
         return replace(o, transient=Transient(
-            self._answer_transient, self.ps, sd[0], sd[1], o.freq_mhz,
-            self.backend.default_sms, o.sequential, o.settings))
+            self._answer_transient, sd[0], sd[1], o.freq_mhz, self.backend.default_sms,
+            o.sequential, o.settings))
 
     def _answer_transient(self, need: Need) -> Measurement | None:
         if self.transient_note is not None:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 from kareus.backends.needs import Need, TransientRun
 from kareus.core import Measurement
-from kareus.workload.partition import PartitionSet
 
 WAIT_STEP_S = 0.5e-3
 """Waits are measured on this grid: the limiter acts once per tick (2 ms at tau 10 ms), so
@@ -40,11 +39,10 @@ Answer = Callable[[Need], Measurement | None]
 class Transient:
     """One instruction option's extra (time, dynamic energy) after a wait."""
 
-    def __init__(self, answer: Answer, partitions: PartitionSet, stage: int,
-                 direction: str, freq_mhz: int, sms: int, sequential: bool,
-                 settings: tuple) -> None:
+    def __init__(self, answer: Answer, stage: int, direction: str, freq_mhz: int, sms: int,
+                 sequential: bool, settings: tuple) -> None:
         self._answer = answer
-        self._run = (partitions, stage, direction, sequential, settings)
+        self._run = (stage, direction, sequential, settings)
         self._freq_mhz = freq_mhz
         self._sms = sms
         self._delta: dict[int, tuple[float, float]] = {}
@@ -52,8 +50,8 @@ class Transient:
         self._throttled: bool | None = None
 
     def _measure(self, steps: int) -> Measurement | None:
-        ps, stage, direction, sequential, settings = self._run
-        run = TransientRun(ps, stage, direction, steps * WAIT_STEP_S, sequential, settings)
+        stage, direction, sequential, settings = self._run
+        run = TransientRun(stage, direction, steps * WAIT_STEP_S, sequential, settings)
         return self._answer(Need.of_transient(run, self._freq_mhz, self._sms))
 
     @property

@@ -29,6 +29,7 @@ from typing import Any
 
 from kareus.backends.base import Backend
 from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import READ_ONLY, journal_first, open_measuring
 from kareus.backends.needs import Need, measure_need
 from kareus.backends.registry import BackendSpec, model_spec
 from kareus.core import Measurement, MeasurementProtocol
@@ -43,7 +44,7 @@ from kareus.profiling.executors import ExecutorSpec
 from kareus.profiling.profile import composition_needs
 from kareus.profiling.step_fit import FitPolicy, measure_steps
 from kareus.search.loop import SearchConfig
-from kareus.store import Journal, job_id, journal_exists
+from kareus.store import journal_exists
 from kareus.workload.workload import Workload
 
 
@@ -108,9 +109,7 @@ def _journaled(workload: Workload, journal: str, backend: BackendSpec, stack: Ex
     exists (read only); else None: nothing is subtracted."""
     if backend.capabilities.real_gpu or not journal_exists(journal):
         return None
-    store = stack.enter_context(Journal(journal, read_only=True))
-    inner = stack.enter_context(backend.open(workload))
-    return JournaledBackend(inner, store, job_id(workload.job), record=False)
+    return stack.enter_context(open_measuring(backend, workload, journal, policy=READ_ONLY))
 
 
 def _search_settles(n: int, clocks: int, config: SearchConfig, with_prior: bool) -> float:
@@ -136,7 +135,7 @@ def _steps(workload: Workload, measured: JournaledBackend | None, policy: FitPol
     the steps are fitted through the emulator prior (kareus.profiling.prior_fit)."""
     with model_spec().open(workload) as emulator:
         # nothing journaled: the needs' structure alone, which any backend enumerates
-        backend = measured or JournaledBackend.in_memory(emulator, workload.job)
+        backend = measured or journal_first(emulator, None, workload.job)
         return _count_steps(workload, backend, policy, protocol, emulator, informed)
 
 

@@ -1,10 +1,9 @@
 """Searching many partitions at once: a local process pool (default) or Ray tasks.
 
-A task carries only plain data (the job as JSON, the partition key, the search settings,
-the backend spec, the journal path); a worker process builds the workload once, its
-backend and its own journal connection (journal first: kareus.backends.journaled), and
-returns its SearchResult as a dict, turned back into a SearchResult here. A task run in
-this process uses the workload already built. Emulator noise depends on (seed, setting),
+A task carries only plain data (kareus.profiling.tasks); a worker process builds its
+workload, backend and journal connection, and returns its SearchResult as a dict, turned
+back into a SearchResult here. Tasks run in this process use the workload already built
+and open each backend once. Emulator noise depends on (seed, setting),
 not on call order, and each search is seeded, so the results are identical whichever
 executor runs them.
 """
@@ -20,27 +19,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kareus.backends.journaled import JournaledBackend
 from kareus.backends.registry import (
     BackendSpec,
     check_prior,
-    default_spec,
-    open_prior,
-    spec_from_dict,
 )
 from kareus.core.lock import Lock
 from kareus.errors import KareusError, SpecError
-from kareus.job.spec import JobSpec
+from kareus.profiling.tasks import OpenedTasks, SearchTask, make_tasks, run_task
 from kareus.ray_support import ray_session
-from kareus.search.loop import SearchConfig, SearchResult, run_search
+from kareus.search.loop import SearchConfig, SearchResult
 from kareus.store import (
-    Journal,
     JournalError,
-    job_id,
     journal_exists,
     journal_lock_file,
     recognise,
@@ -103,70 +96,6 @@ def _probe(address: str, timeout_s: float) -> None:
             time.sleep(1.0)
 
 
-@dataclass(frozen=True)
-class SearchTask:
-    """One partition's search, as plain data."""
-
-    job: dict[str, Any]
-    partition: str
-    config: dict[str, Any]
-    backend: dict[str, Any] = field(default_factory=lambda: default_spec().to_dict())
-    journal: str | None = None
-    prior: str | None = None
-    """"emulator": the nominal emulator's predictions inform the search."""
-    job_id: str = ""
-    """The job's id in the journal (`kareus.store.job_id`), computed and registered once
-    for all tasks (`make_tasks`); empty: the worker registers the job itself."""
-
-    @property
-    def runs_on_gpu(self) -> bool:
-        """One GPU measures one partition at a time: such searches run in this process."""
-        return spec_from_dict(self.backend).capabilities.real_gpu
-
-
-def make_task(job: JobSpec | Workload, partition: str, config: SearchConfig,
-              backend: BackendSpec | None = None, journal: str | None = None,
-              prior: str | None = None) -> SearchTask:
-    """One partition's search as plain data (its worker registers the job)."""
-    doc = job.to_job_dict() if isinstance(job, Workload) else job.model_dump(mode="json")
-    return SearchTask(job=doc, partition=partition,
-                      config=asdict(config), backend=(backend or default_spec()).to_dict(),
-                      journal=journal, prior=prior)
-
-
-def make_tasks(workload: Workload, keys: Sequence[str], config: SearchConfig,
-               backend: BackendSpec, journal: str | None = None, prior: str | None = None
-               ) -> list[SearchTask]:
-    """Every partition of ``keys`` as a task; the job is serialised, named and registered
-    in ``journal`` (which must open) once, here, for all of them."""
-    jid = job_id(workload.job)
-    if journal is not None:
-        with Journal(journal) as j:
-            j.register_job(workload.job)
-    doc, cfg, spec = workload.to_job_dict(), asdict(config), backend.to_dict()
-    return [SearchTask(job=doc, partition=key, config=cfg, backend=spec, journal=journal,
-                       prior=prior, job_id=jid) for key in keys]
-
-
-def _config(doc: dict[str, Any]) -> SearchConfig:
-    return SearchConfig.from_dict(doc)
-
-
-def run_task(task: SearchTask, progress: Callable[[int, int], None] | None = None,
-             workload: Workload | None = None) -> SearchResult:
-    """Run one partition's search (``workload``: the task's, already built here), journal
-    first: through the task's journal, or one in memory."""
-    wl = workload or Workload.from_job_dict(task.job)
-    prior = open_prior(task.prior, wl.job) if task.prior else None
-    config = _config(task.config)
-    with Journal(task.journal or ":memory:") as journal, \
-            spec_from_dict(task.backend).open(wl) as backend:
-        jid = task.job_id or journal.register_job(wl.job)
-        measured = JournaledBackend(backend, journal, jid)
-        return run_search(wl[task.partition], measured, wl.job.freqs_mhz, config, prior,
-                          progress)
-
-
 def _run_task_as_dict(task: SearchTask) -> dict[str, Any]:
     return run_task(task).to_dict()
 
@@ -177,9 +106,14 @@ _QUEUE: Any = None
 _PARENT_POLL_S = 0.5
 
 
+_OPENED: OpenedTasks | None = None
+"""A worker's backends, opened once for its tasks (closed when the worker ends)."""
+
+
 def _init_worker(queue: Any, parent_pid: int) -> None:
-    global _QUEUE
+    global _QUEUE, _OPENED
     _QUEUE = queue
+    _OPENED = OpenedTasks()
     # A worker dies with its parent, SIGKILL of the parent included: a daemon thread polls
     # the parent and ends this process when it is gone (no parent-death signal is used:
     # on Linux it fires when the spawning *thread* exits, not the process). A journal row
@@ -201,7 +135,9 @@ def _run_in_worker(task: SearchTask) -> dict[str, Any]:
         if queue is not None:
             queue.put((task.partition, done, total))
 
-    return run_task(task, report).to_dict()
+    if _OPENED is None:
+        return run_task(task, report).to_dict()
+    return _OPENED.run(task, report).to_dict()
 
 
 TaskProgress = Callable[[str, int, int], None]
@@ -219,7 +155,8 @@ def run_tasks(tasks: list[SearchTask], executor: ExecutorSpec | None = None,
         return _run_ray(tasks, ex.ray_address, progress)
     # one GPU measures one partition at a time: real-GPU searches run in this process
     if len(tasks) == 1 or ex.workers == 1 or any(t.runs_on_gpu for t in tasks):
-        return [run_task(t, _for_key(progress, t.partition), workload) for t in tasks]
+        with OpenedTasks() as opened:  # each backend opened once for the tasks it measures
+            return [opened.run(t, _for_key(progress, t.partition), workload) for t in tasks]
     # never more processes than tasks: a pool starts all of its workers at once
     return _run_pool(tasks, min(len(tasks), ex.workers or os.cpu_count() or 1), progress)
 

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kareus.backends.agreed import AgreedBackend
-from kareus.backends.base import Backend, CostModel
+from kareus.backends.base import CostModel
 from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import JournalPolicy, open_measuring
 from kareus.backends.needs import Need
 from kareus.backends.registry import BackendSpec, open_prior
 from kareus.compose.methods import method_frontiers
@@ -133,11 +133,11 @@ def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
                                   f"torchrun with --nproc-per-node {p.collective.group_size}")
         spec = (backend.for_rank(group.local_rank, group.device)
                 if several and backend.capabilities.process_per_gpu else backend)
-        with Journal(journal) as store, spec.open(
-                workload, group.collectives, group.agree) as raw:
-            be: Backend = AgreedBackend(raw, group.agree) if several else raw
-            measured = JournaledBackend(be, store, store.register_job(job),
-                                        record=group.rank == 0)
+        # rank 0 journals; a group measured together decides on rank 0's numbers
+        journaling = JournalPolicy(record=group.rank == 0,
+                                   agree=group.agree if several else None)
+        with Journal(journal) as store, open_measuring(
+                spec, workload, store, group=group, policy=journaling) as measured:
             # without clock changes the job's one clock (the spec's check): the nvml
             # backend refuses to measure while the GPU runs another
             searches = []
@@ -157,9 +157,9 @@ def profile(job: JobSpec | Workload, journal: str, backend: BackendSpec,
         return result
 
 
-def journal_frontiers(workload: Workload, backend: JournaledBackend) -> KeyFrontiers:
+def journal_frontiers(keys: Sequence[str], backend: JournaledBackend) -> KeyFrontiers:
     """Each partition's per-clock fronts from every setting the journal holds of it."""
-    return key_frontiers({k: backend.samples(k) for k in workload.keys})
+    return key_frontiers({k: backend.samples(k) for k in keys})
 
 
 def measure_composition(workload: Workload, backend: JournaledBackend,
@@ -174,7 +174,8 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
     after each step."""
     policy = policy or FitPolicy()
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
-    needs = composer.needs(_runnable(workload), journal_frontiers(workload, backend))
+    methods = _runnable(workload)
+    needs = composer.needs(methods, journal_frontiers(workload.keys, backend))
     todo = backend.lacks(needs)
     before = backend.measured
     outcome = StepsOutcome(needed=len(todo))
@@ -208,7 +209,7 @@ def measure_composition(workload: Workload, backend: JournaledBackend,
     # known only when a plan is evaluated, so every method is composed once, as optimize
     # composes it; evaluating its plans measures and journals the transients they charge
     steps = backend.measured
-    method_frontiers(composer, _runnable(workload), journal_frontiers(workload, backend))
+    method_frontiers(composer, methods, journal_frontiers(workload.keys, backend))
     outcome.transients = backend.measured - steps
     outcome.measured = steps - before
     return outcome
@@ -219,7 +220,7 @@ def composition_needs(workload: Workload, backend: JournaledBackend) -> list[Nee
     the journal lacks (nothing is measured)."""
     composer = Composer(workload.partitions, backend, workload.job.freqs_mhz)
     return backend.lacks(composer.needs(_runnable(workload),
-                                        journal_frontiers(workload, backend)))
+                                        journal_frontiers(workload.keys, backend)))
 
 
 def _runnable(workload: Workload) -> tuple[Method, ...]:

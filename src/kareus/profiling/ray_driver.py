@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from kareus.backends.agreed import AgreedBackend
-from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import JournalPolicy, open_measuring
 from kareus.backends.registry import BackendSpec, check_prior, open_prior
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError, SpecError
@@ -157,9 +156,9 @@ class RankActor:
             journal.sink = task.sink if record else None
             report = journal.progress(task.key) if record else None
             model = open_prior(task.prior, workload.job)
-            with spec.open(workload, group.collectives, group.agree) as raw:
-                be = JournaledBackend(AgreedBackend(raw, _agree(group, task.die_after)),
-                                      journal, journal.jid, record=record)
+            journaling = JournalPolicy.rank(task.rank, _agree(group, task.die_after))
+            with open_measuring(spec, workload, journal, group=group, policy=journaling,
+                                jid=journal.jid) as be:
                 # without clock changes the job's one clock (the spec's check), as in
                 # kareus.profiling.profile: nvml refuses while the GPU runs another
                 if task.key == COMPOSITION:

@@ -29,6 +29,7 @@ from typing import Any
 
 from kareus.backends.base import PlanSimulator
 from kareus.backends.journaled import JournaledBackend
+from kareus.backends.measuring import open_measuring
 from kareus.backends.registry import (
     BackendSpec,
     backend_kind,
@@ -60,7 +61,6 @@ from kareus.results.result import OptimizeResult
 from kareus.results.resultdir import ResultDir
 from kareus.results.validation import Solved, default_validation_sample, frontier_plans
 from kareus.search.loop import SearchConfig, SearchResult
-from kareus.store import Journal
 from kareus.workflows.measured import compose_from_journal, measured_composer, refuse_missing
 from kareus.workflows.power_limited import LimitedRun, iso_power, power_limited_megatron
 from kareus.workload.workload import Workload
@@ -338,10 +338,8 @@ class OptimizeRun:
 def _measuring(stack: ExitStack, spec: BackendSpec, workload: Workload, journal_path: Path
                ) -> JournaledBackend:
     """The backend composing measures through: ``spec`` opened for the workload, every
-    number journaled in the result's journal (both closed with ``stack``)."""
-    measuring = stack.enter_context(spec.open(workload))
-    journal = stack.enter_context(Journal(journal_path))
-    return JournaledBackend(measuring, journal, journal.register_job(workload.job))
+    number journaled in the result's journal (closed with ``stack``)."""
+    return stack.enter_context(open_measuring(spec, workload, str(journal_path)))
 
 
 def prepare_optimize(request: OptimizeRequest) -> OptimizeRun:

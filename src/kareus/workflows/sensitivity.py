@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator import emulator_for
 from kareus.backends.emulator.host import HOST_PARAMS
 from kareus.backends.emulator.params import EmulatorParams, default_params
 from kareus.compose.methods import method_frontiers
@@ -190,8 +190,9 @@ def recompose(job: JobSpec, knobs: Mapping[str, Sequence[Knobs]],
         raise SpecError(f"EmulatorParams has no field(s) {', '.join(bad)}")
     values: dict[str, Any] = dict(overrides)  # every varied constant is a float field
     params = replace(default_params(job.gpu_spec), **values)
-    backend = EmulatorBackend(job, params=params)
-    ps = Workload.build(job).partitions
+    workload = Workload.build(job)
+    backend = emulator_for(workload, params=params)
+    ps = workload.partitions
     fronts = key_frontiers({k: [(kn, backend.predict(ps[k], kn)) for kn in v]
                             for k, v in knobs.items()})
     solved = method_frontiers(Composer(ps, backend, job.freqs_mhz),

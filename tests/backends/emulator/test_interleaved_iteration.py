@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator import emulator_for
 from kareus.backends.emulator.spec import EmulatorSpec
 from kareus.compose.options import Composer
 from kareus.compose.pipeline import evaluate
@@ -24,7 +24,7 @@ def _errors(calibration: str | None) -> list[tuple[float, float]]:
     """Relative time and energy errors, simulated against composed, of three fixed
     Perseus plans: all fastest, all slowest, and the clocks alternating by instruction."""
     w = Workload.build(JOB)
-    composer = Composer(w.partitions, EmulatorBackend(JOB, calibration=calibration),
+    composer = Composer(w.partitions, emulator_for(w, calibration=calibration),
                         JOB.freqs_mhz)
     opts = composer.options(get_method("perseus"))
     costs = composer.pipeline_costs()

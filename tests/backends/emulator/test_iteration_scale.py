@@ -11,7 +11,7 @@ throttled clock and takes ~as long to come back down: faster, and more dynamic e
 
 import pytest
 
-from kareus.backends.emulator import EmulatorBackend
+from kareus.backends.emulator import emulator_for
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.compose.options import Composer
 from kareus.compose.pipeline import solve_frontier
@@ -29,8 +29,8 @@ VALIDATION_BOUND = 0.05
 def deep():
     job = build_job("llama3.3-70b-1024gpu", overrides=dict(
         pp=PP, num_microbatches=MICROBATCHES, nodes=PP * 8))
-    ps = Workload.build(job).partitions
-    b = EmulatorBackend(job)
+    w = Workload.build(job)
+    ps, b = w.partitions, emulator_for(w)
     return job, ps, b, Composer(ps, b, job.freqs_mhz)
 
 
@@ -79,13 +79,13 @@ def test_the_transient_of_a_power_limited_instruction(deep):
     """Zero after no wait (the next run of the same loop), and after a long wait faster
     and costlier, as the simulation's cool-down backwards; an option at a clock the
     limiter never reaches is charged nothing."""
-    job, ps, b, comp = deep
+    job, _ps, b, comp = deep
     (top,) = comp.options(get_method("nanobatch"))[(0, "backward")]
     assert top.transient is not None and top.transient.throttled
     assert top.transient.delta(0.0) == (0.0, 0.0)
     dt, de = top.transient.delta(0.03)
     assert dt < -0.02 * top.time_s and de > 0.08 * top.dynamic_energy_j
     # Nanobatching's instruction at the lowest clock of the list, built by hand
-    cool = Transient(comp._answer_transient, ps, 0, "backward", min(job.freqs_mhz),
+    cool = Transient(comp._answer_transient, 0, "backward", min(job.freqs_mhz),
                      b.default_sms, False, ())
     assert not cool.throttled and cool.delta(0.03) == (0.0, 0.0)

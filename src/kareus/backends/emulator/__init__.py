@@ -1,7 +1,7 @@
 """The built-in GPU emulator backend (no GPU needed)."""
 
-from kareus.backends.emulator import transient as _transient  # noqa: F401  registers itself
 from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.params import EmulatorParams
+from kareus.backends.emulator.transient import emulator_for
 
-__all__ = ["EmulatorBackend", "EmulatorParams"]
+__all__ = ["EmulatorBackend", "EmulatorParams", "emulator_for"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
@@ -14,27 +14,20 @@ import numpy as np
 from kareus.backends.emulator.params import EmulatorParams, load_params
 from kareus.backends.emulator.physics import GPUPhysics
 from kareus.backends.emulator.timeline import RunResult, Timeline
-from kareus.backends.needs import TransientRun
+from kareus.backends.needs import TransientRun, TransientUnmeasurable
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
 from kareus.job.hardware import GPUSpec, get_gpu
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Op, ops_signature
 from kareus.workload.partition import Partition
+from kareus.workload.workload import Workload
 
 
-class _Transients(Protocol):
+class TransientMeasurer(Protocol):
+    """What measures a backend's wait transients (kareus.backends.emulator.transient)."""
+
     def measure(self, run: TransientRun, freq_mhz: int) -> Measurement: ...
-
-
-_TRANSIENTS: list[Callable[[EmulatorBackend], _Transients]] = []
-"""What measures wait transients: kareus.backends.emulator.transient registers it (it runs
-the whole-iteration simulator, which is built on this backend, so this module cannot
-import it; the package imports it)."""
-
-
-def register_transients(factory: Callable[[EmulatorBackend], _Transients]) -> None:
-    _TRANSIENTS[:] = [factory]
 
 
 def internode_groups(job: JobSpec) -> frozenset[str]:
@@ -77,9 +70,15 @@ class EmulatorBackend:
         seed: int = 0,
         protocol: MeasurementProtocol | None = None,
         power_limit_w: float | None = None,
+        workload: Workload | None = None,
     ) -> None:
         """``power_limit_w``: the board power limit the limiter holds (default: the GPU's
-        TDP), as `nvidia-smi -pl` sets it (the power-limited Megatron-LM baseline)."""
+        TDP), as `nvidia-smi -pl` sets it (the power-limited Megatron-LM baseline).
+        ``workload``: what this backend was opened for (its job, unless ``job`` is given;
+        `emulator_for` opens one that measures the workload's wait transients)."""
+        self.workload = workload
+        if job is None and workload is not None:
+            job = workload.job
         if gpu is None:
             gpu = job.gpu_spec if job is not None else get_gpu("A100-40GB")
         self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
@@ -101,7 +100,10 @@ class EmulatorBackend:
         self.timeline = Timeline(self.physics, self.static_power_w,
                                  power_limit_w or self.gpu.tdp_w, groups)
         self._cache: dict[tuple[object, ...], Measurement] = {}
-        self._transients: _Transients | None = None
+        self.transients: TransientMeasurer | None = None
+        """What measures wait transients: the whole-iteration simulator over the workload
+        (kareus.backends.emulator.transient, built on this backend, wires itself here when
+        the emulator is opened for a workload); None: none is measured."""
 
     @property
     def supported_freqs_mhz(self) -> tuple[int, ...]:
@@ -136,9 +138,11 @@ class EmulatorBackend:
         """A wait transient (kareus.backends.emulator.transient), noise-free: its use is
         the difference from the same loop's steady run, which noise would swamp."""
         self.gpu.check_freq(freq_mhz)
-        if self._transients is None:
-            self._transients = _TRANSIENTS[0](self)
-        return self._transients.measure(run, freq_mhz)
+        if self.transients is None:
+            raise TransientUnmeasurable(
+                "an emulator not opened for a workload measures no wait transients (open it "
+                "with kareus.backends.emulator.emulator_for or its spec)")
+        return self.transients.measure(run, freq_mhz)
 
     # CostModel protocol: exact (noise-free) predictions, cached ------------------------------
 

@@ -51,10 +51,12 @@ class EmulatorSpec(BackendSpec):
 
     @contextmanager
     def _open(self, workload: Workload) -> Iterator[Backend]:
-        from kareus.backends.emulator.backend import EmulatorBackend
+        # the backend and what measures its wait transients, wired here: the transients
+        # run the whole-iteration simulator, which is built on the backend
+        from kareus.backends.emulator.transient import emulator_for
 
-        yield EmulatorBackend(workload.job, calibration=self.calibration, noise=self.noise,
-                              seed=self.seed, protocol=self.protocol)
+        yield emulator_for(workload, calibration=self.calibration, noise=self.noise,
+                           seed=self.seed, protocol=self.protocol)
 
     def cost_model(self, job: JobSpec) -> CostModel:
         """The emulator with its nominal (or calibrated) constants, without noise."""

@@ -21,12 +21,16 @@ each instruction its transient from its own settled state keeps one-clock plans 
 
 from __future__ import annotations
 
-from kareus.backends.emulator.backend import EmulatorBackend, register_transients
+from typing import Any
+
+from kareus.backends.emulator.backend import EmulatorBackend
 from kareus.backends.emulator.iteration import IterationSimulator
 from kareus.backends.emulator.limiter import LimiterState
 from kareus.backends.needs import TransientRun
 from kareus.core import LAUNCH_FIRST, Measurement
 from kareus.plans.execution import ExecutionPlan
+from kareus.workload.partition import PartitionSet
+from kareus.workload.workload import Workload
 
 SETTLE_TAUS = 10.0
 """How long the loop runs before the wait, in limiter time constants: the cap moves one
@@ -35,34 +39,35 @@ highest clock to any throttled one on the tables here) and the average forget it
 (e^-10)."""
 
 
-class TransientRuns:
-    """One backend's wait transients (simulators and settled states cached)."""
+def emulator_for(workload: Workload, **options: Any) -> EmulatorBackend:
+    """The emulator opened for ``workload`` (``options``: `EmulatorBackend`'s), measuring
+    its wait transients."""
+    backend = EmulatorBackend(workload=workload, **options)
+    backend.transients = TransientRuns(backend, workload.partitions)
+    return backend
 
-    def __init__(self, backend: EmulatorBackend) -> None:
+
+class TransientRuns:
+    """One backend's wait transients of the instructions of ``partitions`` (the simulator
+    and settled states cached)."""
+
+    def __init__(self, backend: EmulatorBackend, partitions: PartitionSet) -> None:
         self.backend = backend
-        self._sims: dict[int, tuple[object, IterationSimulator]] = {}
+        self.partitions = partitions
+        self._sim = IterationSimulator(partitions, backend)
         self._settled: dict[tuple, LimiterState] = {}
 
     def measure(self, run: TransientRun, freq_mhz: int) -> Measurement:
-        sim = self._simulator(run)
+        sim = self._sim
         plan = _plan(run, freq_mhz)
         iid = (run.stage, 0, run.direction)
-        key = (id(run.partitions), run.stage, run.direction, run.sequential, run.settings,
-               freq_mhz)
+        key = (run.stage, run.direction, run.sequential, run.settings, freq_mhz)
         settled = self._settled.get(key)
         if settled is None:
             settled = self._settled[key] = self._settle(sim, plan, iid, freq_mhz)
         state = LimiterState(settled.avg_power_w, settled.cap_mhz, settled.since_tick_s)
         self.backend.timeline.rest(state, run.wait_s, freq_mhz)
         return sim._continuous(plan, iid, freq_mhz, state)
-
-    def _simulator(self, run: TransientRun) -> IterationSimulator:
-        # keyed by identity, the partition set kept alive with its simulator
-        hit = self._sims.get(id(run.partitions))
-        if hit is None:
-            hit = self._sims[id(run.partitions)] = (
-                run.partitions, IterationSimulator(run.partitions, self.backend))
-        return hit[1]
 
     def _settle(self, sim: IterationSimulator, plan: ExecutionPlan,
                 iid: tuple[int, int, str], freq_mhz: int) -> LimiterState:
@@ -86,5 +91,3 @@ def _plan(run: TransientRun, freq_mhz: int) -> ExecutionPlan:
                          instruction_knobs=knobs,
                          default_slot=None if run.sequential else LAUNCH_FIRST)
 
-
-register_transients(TransientRuns)
