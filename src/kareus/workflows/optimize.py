@@ -37,6 +37,7 @@ from kareus.core.lock import Lock
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import (
+    THROUGHPUT_BASELINE,
     Method,
     all_methods,
     get_method,
@@ -159,7 +160,7 @@ class OptimizeRun:
         metrics = method_metrics({m: [(p.time_s, p.energy_j) for p in v]
                                   for m, v in plans.items()})
         runs = None
-        if simulator is not None and "megatron" in plans:
+        if simulator is not None and THROUGHPUT_BASELINE in plans:
             t0 = time.perf_counter()
             runs = power_limited_megatron(self.workload, self.backend)
             self.timings["power_limited"] = time.perf_counter() - t0
