@@ -3,7 +3,8 @@
 The rest of Kareus never compares a backend's name: it asks a spec what it can do
 (`Capabilities`) and lets it open its backend, its cost model and its plan simulator. A
 new backend is one module (a `BackendSpec` subclass with a ``kind`` and its
-``capabilities``, and the Backend it opens) plus one `register_backend` entry. Specs are
+``capabilities``, and the Backend it opens) plus one entry point (``kareus.backends``) or
+`register_backend`. Specs are
 plain data, so they cross process boundaries (search workers, Ray tasks) as dicts that
 carry their kind.
 """
