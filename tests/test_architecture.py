@@ -1,9 +1,14 @@
 """The layout rules of docs/architecture.md that a linter does not check: module and
-function sizes, and no import cycle between modules (function-local imports included)."""
+function sizes, no import cycle between modules (function-local imports included), and no
+comparison with a registry's names outside the registry (code asks roles and
+capabilities)."""
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
@@ -72,41 +77,151 @@ def test_no_import_cycles():
     assert not cycles, cycles[:5]
 
 
-BACKEND_REGISTRY = "kareus.backends.registry"
+REGISTRY_OWNERS = (
+    "kareus.backends.registry", "kareus.plans.methods", "kareus.compose.options",
+    "kareus.search", "kareus.search.acquisition", "kareus.job.hardware", "kareus.job.nodes",
+    "kareus.gpu.runtimes",
+)
+"""Every module that makes a registry (imported, so the registries are filled)."""
+
+NOT_REGISTRY_NAMES: dict[tuple[str, str], str] = {}
+"""(module, literal) pairs compared that are not a registry's name where they are, each
+with why; empty: every such comparison was a name and is gone."""
 
 
-def _backend_names() -> set[str]:
-    from kareus.backends.registry import backend_kinds
 
-    return set(backend_kinds())
+@dataclass(frozen=True)
+class Names:
+    """One registry's names and the modules allowed to compare them: the one that makes
+    the registry and those that define its things."""
 
-
-def _name_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
-    """Lines where a value is compared (==, !=, in, not in, is) with a backend's name."""
-
-    def mentions(node: ast.expr) -> bool:
-        if isinstance(node, ast.Constant):
-            return node.value in names
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return any(mentions(e) for e in node.elts)
-        return False
-
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
-            and any(mentions(e) for e in (node.left, *node.comparators))]
+    registry: str
+    names: frozenset[str]
+    owners: frozenset[str]
 
 
-def test_no_module_outside_the_backend_registry_compares_a_backend_name():
-    names = _backend_names()
-    found = [f"{name}:{line}" for name, path in _modules().items() if name != BACKEND_REGISTRY
-             for line in _name_comparisons(ast.parse(path.read_text()), names)]
+def _registries() -> list[Names]:
+    """Every registry a kareus module makes (found by its ``NAME ... = Registry(`` line),
+    once the modules that make them are imported."""
+    from kareus.core.registry import Registry
+
+    for owner in REGISTRY_OWNERS:
+        importlib.import_module(owner)
+    out = []
+    for module, path in _modules().items():
+        loaded = sys.modules.get(module)
+        if loaded is None:
+            continue
+        source = path.read_text()
+        for attr, reg in vars(loaded).items():
+            if isinstance(reg, Registry) and re.search(
+                    rf"^{attr}\b[^=\n]*= Registry\(", source, re.M):
+                names = reg.all_names()
+                defined = {reg.module_of(n) for n in names}
+                out.append(Names(f"{module}.{attr}", frozenset(names),
+                                 frozenset({module, *(m for m in defined if m)})))
+    return out
+
+
+def _compared(node: ast.expr) -> list[str]:
+    """The string literals ``node`` is (a constant, or a tuple, list or set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [v for e in node.elts for v in _compared(e)]
+    return []
+
+
+def _literal_comparisons(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, literal, how) of every comparison with a string literal: "==" for ==, !=,
+    in, not in, is, is not and ``match``/``case`` patterns; "startswith"/"endswith"."""
+    ops = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(o, ops) for o in node.ops):
+            for e in (node.left, *node.comparators):
+                out += [(node.lineno, v, "==") for v in _compared(e)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith")):
+            out += [(node.lineno, v, node.func.attr) for a in node.args for v in _compared(a)]
+        elif isinstance(node, ast.MatchValue):
+            out += [(node.lineno, v, "==") for v in _compared(node.value)]
+    return out
+
+
+def _matches(literal: str, how: str, names: frozenset[str]) -> bool:
+    """``literal`` compared ``how`` picks out a name (case ignored: catalogs are looked
+    up so; a prefix or suffix of a name for startswith / endswith)."""
+    lit = literal.casefold()
+    if how == "==":
+        return any(lit == n.casefold() for n in names)
+    return any(getattr(n.casefold(), how)(lit) for n in names)
+
+
+def name_comparisons(module: str, source: str, registries: list[Names]) -> list[str]:
+    """Each comparison in ``source`` (the module ``module``) with a name of a registry
+    that module does not own: "module:line 'name' (registry)"."""
+    found = []
+    for line, literal, how in _literal_comparisons(ast.parse(source)):
+        if (module, literal) in NOT_REGISTRY_NAMES:
+            continue
+        found += [f"{module}:{line} {literal!r} ({r.registry})" for r in registries
+                  if module not in r.owners and _matches(literal, how, r.names)]
+    return found
+
+
+def test_no_module_compares_a_registry_name_it_does_not_own():
+    registries = _registries()
+    found = [hit for name, path in _modules().items()
+             for hit in name_comparisons(name, path.read_text(), registries)]
     assert not found, found
 
 
+def test_every_registry_is_checked():
+    from kareus.core.registry import Registry, all_registries
+
+    checked = {r.registry for r in _registries()}
+    assert {"kareus.backends.registry.BACKENDS", "kareus.plans.methods.METHODS",
+            "kareus.plans.methods.OPTION_SOURCES", "kareus.compose.options.SOURCE_RECIPES",
+            "kareus.search.config.STRATEGIES", "kareus.search.acquisition.PASSES",
+            "kareus.job.hardware.GPUS", "kareus.job.nodes.NODES",
+            "kareus.gpu.runtimes.RUNTIMES"} <= checked
+    # every registry kareus's modules make is checked (tests make their own ones)
+    in_kareus = {id(r) for m, mod in list(sys.modules.items()) if m.split(".")[0] == "kareus"
+                 for r in vars(mod).values() if isinstance(r, Registry)}
+    assert len(checked) == len(in_kareus & {id(r) for r in all_registries()})
+
+
 def test_the_name_check_finds_a_comparison():
-    names = _backend_names()
-    assert _name_comparisons(ast.parse('if spec.name == "nvml": pass'), names) == [1]
-    assert _name_comparisons(ast.parse('x = b.name in ("fakegpu", "other")'), names) == [1]
-    assert _name_comparisons(ast.parse('x = b.kind != other'), names) == []
+    registries = _registries()
+
+    def hits(code: str) -> list[str]:
+        return name_comparisons("kareus.somewhere", code, registries)
+
+    assert hits('if gpu.name.startswith("A100"): pass') == [
+        "kareus.somewhere:1 'A100' (kareus.job.hardware.GPUS)"]
+    assert hits('if gpu.name == "H200": pass') == [
+        "kareus.somewhere:1 'H200' (kareus.job.hardware.GPUS)"]
+    assert hits('x = "megatron" in plans') == [
+        "kareus.somewhere:1 'megatron' (kareus.plans.methods.METHODS)",
+        "kareus.somewhere:1 'megatron' (kareus.gpu.runtimes.RUNTIMES)"]
+    assert hits('x = m.name not in ("kareus", "other")') == [
+        "kareus.somewhere:1 'kareus' (kareus.plans.methods.METHODS)"]
+    assert hits('x = spec.kind != "nvml"') == [
+        "kareus.somewhere:1 'nvml' (kareus.backends.registry.BACKENDS)"]
+    assert hits('x = source == "searched"') == [
+        "kareus.somewhere:1 'searched' (kareus.plans.methods.OPTION_SOURCES)",
+        "kareus.somewhere:1 'searched' (kareus.compose.options.SOURCE_RECIPES)"]
+    assert hits('x = n.endswith("a40")') == [
+        "kareus.somewhere:1 'a40' (kareus.job.hardware.GPUS)"]
+    assert hits('match cfg.strategy:\n    case "exhaustive":\n        pass') == [
+        "kareus.somewhere:2 'exhaustive' (kareus.search.config.STRATEGIES)"]
+    assert hits('x = b.kind != other; y = d.get("kareus"); z = "B100" in text') == []
+    assert hits('x = "A100" in device_name') == [  # a catalog alias, case ignored
+        "kareus.somewhere:1 'A100' (kareus.job.hardware.GPUS)"]
+    assert hits('x = key.startswith("fwd_") or name.endswith("_bwd")') == []
+    # the module that makes a registry, or defines a thing of it, may compare its names
+    assert name_comparisons("kareus.job.hardware", 'x = n == "H200"', registries) == []
 
 
 def test_the_top_level_holds_at_most_ten_modules():

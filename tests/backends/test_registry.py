@@ -18,7 +18,6 @@ from kareus.backends.registry import (
     backend_kind,
     backend_kinds,
     cost_model_kinds,
-    register_backend,
     replay_spec,
     spec_from_options,
 )
@@ -62,10 +61,9 @@ class ToySpec(BackendSpec):
 
 
 @pytest.fixture
-def toy(monkeypatch):
-    monkeypatch.setattr(registry, "_KINDS", dict(registry._builtin()))
-    register_backend(ToySpec)
-    return ToySpec
+def toy():
+    with registry.BACKENDS.registered(ToySpec):
+        yield ToySpec
 
 
 def test_a_registered_toy_backend_runs_optimize(toy, tmp_path):

@@ -74,12 +74,7 @@ def toy() -> Iterator[type[ToySpec]]:
 
 
 def _unregister(kind: str) -> None:
-    # the kinds are a Registry once issue 40's registry lane lands, a dict before
-    kinds = getattr(registry, "BACKENDS", None)
-    if kinds is not None:
-        kinds.remove(kind)
-    else:
-        registry._KINDS.pop(kind)
+    registry.BACKENDS.remove(kind)
 
 
 def _optimize(tmp_path, name: str, *backend: str):

@@ -97,3 +97,16 @@ def test_entry_points_are_listed_without_loading_and_loaded_when_asked(
 def test_every_registry_is_listed() -> None:
     reg: Registry[int] = Registry("listed")
     assert any(r is reg for r in all_registries())
+
+
+def test_module_of_names_where_a_thing_is_defined(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg: Registry[object] = Registry("thing", lambda t: t.name,  # type: ignore[attr-defined]
+                                     entry_points="kareus.test_module_of")
+    _fake_entry_points(monkeypatch, "kareus.test_module_of", [importlib.metadata.EntryPoint(
+        "far", "some_package.far_module:Thing", "kareus.test_module_of")])
+    reg.add(Thing("near"), aliases=("n",))
+    reg.add(len, "length")
+    assert reg.module_of("n") == __name__  # an instance: its class's module
+    assert reg.module_of("length") == "builtins"
+    assert reg.module_of("far") == "some_package.far_module"  # not imported
+    assert reg.module_of("nope") is None

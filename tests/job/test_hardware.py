@@ -39,7 +39,7 @@ def test_flop_per_clock_matches_peak(name):
 def test_aliases_and_unknown_names():
     assert get_gpu("a100").name == "A100-40GB"
     assert get_gpu("h100").name == "H100-SXM"
-    with pytest.raises(SpecError, match="known: A100-40GB"):
+    with pytest.raises(SpecError, match="available: A100-40GB"):
         get_gpu("V100")
 
 
@@ -54,7 +54,7 @@ def test_check_freq_rejects_clocks_outside_the_table():
 # Node types (issue 38) ---------------------------------------------------------------------
 
 def test_node_catalog_has_the_paper_cluster_and_the_dgx_nodes():
-    from kareus.job.hardware import get_node, node_names
+    from kareus.job.nodes import get_node, node_names
     assert {"p4d.24xlarge", "DGX-A100", "DGX-H100", "DGX-H200"} <= set(node_names())
     p4d = get_node("P4D.24xlarge")
     assert p4d.gpus == ("A100-40GB",) and p4d.gpu_count == 8
@@ -68,13 +68,13 @@ def test_node_catalog_has_the_paper_cluster_and_the_dgx_nodes():
 
 @pytest.mark.parametrize("senders, per_gpu_gbit", [(1, 100), (2, 100), (4, 100), (8, 50)])
 def test_p4d_per_gpu_share_of_its_400_gbit_when_k_ranks_send_at_once(senders, per_gpu_gbit):
-    from kareus.job.hardware import get_node
+    from kareus.job.nodes import get_node
     share = get_node("p4d.24xlarge").internode_share_bytes_s(senders)
     assert share == pytest.approx(per_gpu_gbit * 1e9 / 8)  # 8 senders: 6.25 GB/s each
 
 
 def test_dgx_nodes_give_every_gpu_its_own_adapter():
-    from kareus.job.hardware import get_node
+    from kareus.job.nodes import get_node
     for node, gbit in (("DGX-A100", 200), ("DGX-H100", 400), ("DGX-H200", 400)):
         for k in range(1, 9):
             assert get_node(node).internode_share_bytes_s(k) == pytest.approx(gbit * 1e9 / 8)
@@ -84,7 +84,7 @@ def test_dgx_nodes_give_every_gpu_its_own_adapter():
 @given(node=st.sampled_from(["p4d.24xlarge", "DGX-A100", "DGX-H100", "A40-PCIe"]),
        k=st.integers(1, 64))
 def test_senders_never_get_more_than_the_node_or_one_adapter(node, k):
-    from kareus.job.hardware import get_node
+    from kareus.job.nodes import get_node
     n = get_node(node)
     share = n.internode_share_bytes_s(k)
     assert share <= n.nic_bytes_s and k * share <= n.internode_bytes_s * (1 + 1e-12)
@@ -92,6 +92,6 @@ def test_senders_never_get_more_than_the_node_or_one_adapter(node, k):
 
 
 def test_unknown_node_is_refused_naming_the_known():
-    from kareus.job.hardware import get_node
-    with pytest.raises(SpecError, match="unknown node type 'p5'; known: DGX-A100, p4d"):
+    from kareus.job.nodes import get_node
+    with pytest.raises(SpecError, match="unknown node type 'p5'; available: DGX-A100, p4d"):
         get_node("p5")

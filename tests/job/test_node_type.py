@@ -40,7 +40,7 @@ def test_naming_the_default_node_is_the_same_job():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"node": "p5.48xlarge"}, "unknown node type 'p5.48xlarge'; known: DGX-A100"),
+    ({"node": "p5.48xlarge"}, "unknown node type 'p5.48xlarge'; available: DGX-A100"),
     ({"node": "p4d.24xlarge", "gpu": "H100-SXM"},
      "node type p4d.24xlarge holds A100-40GB, not H100-SXM"),
     ({"gpus_per_node": 16, "nodes": 1}, "node type p4d.24xlarge has 8 GPUs, not "

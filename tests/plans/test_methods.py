@@ -93,3 +93,18 @@ def test_a_microbatch_that_is_not_split_leaves_out_the_methods_that_split_it(mbs
         get_method("nanobatch").baseline_plan(job)
     even = build_job("kareus-1")
     assert runnable_methods(all_methods(), even) == (all_methods(), ())
+
+
+def test_code_asks_roles_not_names():
+    from kareus.plans.methods import ISO_REFERENCE, PROPOSED, THROUGHPUT_BASELINE, by_role
+
+    assert (by_role("throughput_baseline").name, by_role("iso_reference").name,
+            by_role("proposed").name) == (THROUGHPUT_BASELINE, ISO_REFERENCE, PROPOSED)
+    assert by_role("throughput_baseline").fixed_plan
+    with pytest.raises(SpecError, match="role proposed already"):
+        register(Method("x2", "X", clocks="max", options=("sequential",), overlap=False,
+                        color="#000", marker="o", role="proposed"))
+    with pytest.raises(SpecError, match="unknown option source 'nope'"):
+        register(Method("x3", "X", clocks="max", options=("nope",), overlap=False,
+                        color="#000", marker="o"))
+    assert "x3" not in [m.name for m in all_methods()]

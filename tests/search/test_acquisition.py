@@ -32,7 +32,7 @@ def test_passes_are_registered_by_the_names_of_the_shares():
     assert pass_names() == tuple(PassShares().to_dict())
     assert all(isinstance(get_pass(n), AcquisitionPass) for n in pass_names())
     assert [n for n in pass_names() if get_pass(n).runs_last] == ["uncertainty"]
-    with pytest.raises(SpecError, match="unknown acquisition pass 'ei'; known: hv_total"):
+    with pytest.raises(SpecError, match="unknown acquisition pass 'ei'; available: hv_total"):
         get_pass("ei")
 
 

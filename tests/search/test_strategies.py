@@ -17,7 +17,7 @@ from kareus.search import (
     run_search,
     strategy_names,
 )
-from kareus.search.config import _STRATEGIES, describe_strategies
+from kareus.search.config import STRATEGIES, describe_strategies
 from kareus.search.surrogate import SurrogateConfig
 from kareus.store import Journal
 from kareus.workload.workload import Workload
@@ -42,7 +42,7 @@ def test_the_built_in_strategies_are_registered():
 def test_an_unknown_strategy_is_one_line_naming_the_known_ones():
     with pytest.raises(SpecError) as e:
         SearchConfig(strategy="bayes").check(100, False)
-    assert str(e.value) == ("unknown strategy 'bayes'; known: mbo, published, random, "
+    assert str(e.value) == ("unknown strategy 'bayes'; available: mbo, published, random, "
                             "exhaustive")
 
 
@@ -80,7 +80,7 @@ def test_a_registered_strategy_is_selectable():
         assert r.strategy == "top_clock" and len(r.samples) == 12 == r.measured_this_run
         assert {s.knobs.freq_mhz for s in r.samples} == {max(JOB.freqs_mhz)}
     finally:
-        del _STRATEGIES["top_clock"]
+        STRATEGIES.remove("top_clock")
 
 
 def test_a_config_crosses_process_boundaries_as_a_dict():

@@ -35,7 +35,13 @@ from kareus.gpu.clock_guard import ClockGuard
 from kareus.gpu.device import GPUDevice
 from kareus.gpu.kernels import build_kernel, import_torch, op_shapes, stand_in_collective
 from kareus.gpu.power_guard import PowerLimitGuard
-from kareus.gpu.runtimes import PartitionRuntime, Runner, check_runtime, runtime_class
+from kareus.gpu.runtimes import (
+    DEFAULT_RUNTIME,
+    PartitionRuntime,
+    Runner,
+    check_runtime,
+    runtime_class,
+)
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Collective, Op
 from kareus.workload.partition import Partition
@@ -54,7 +60,7 @@ class NvmlBackend:
                  static_power_w: float | None = None, warmup_runs: int = 3,
                  min_runs: int = 3, collective: CollectiveFactory | None = None,
                  name: str = "nvml", agree: Callable[[int], int] | None = None,
-                 runtime: str = "kernels", power_limit_w: float | None = None) -> None:
+                 runtime: str = DEFAULT_RUNTIME, power_limit_w: float | None = None) -> None:
         self.name = name
         """"nvml"; "fakegpu" for the CPU kernels with a fake device's energy counter."""
         self.power_limit_w = power_limit_w
@@ -97,7 +103,7 @@ class NvmlBackend:
         parts = [self.name, self.gpu.name]
         if self.power_limit_w is not None:  # measured under a power limit Kareus set
             parts.append(f"limit={self.power_limit_w:g}W")
-        if self.runtime_name != "kernels":
+        if self.runtime_name != DEFAULT_RUNTIME:
             parts.append(f"runtime={self.runtime_name}")
         if self.static_power_source != "catalog":
             parts.append(f"static={self.static_power_w:.1f}W")
@@ -282,7 +288,7 @@ class NvmlSpec(BackendSpec):
     torch_device: str | None = None
     """Where the kernels run (default ``cuda:<gpu_index>``)."""
     runtime: str = option(
-        "kernels", flag="--runtime", help="Real GPUs (and fakegpu): whose code computes a "
+        DEFAULT_RUNTIME, flag="--runtime", help="Real GPUs (and fakegpu): whose code computes a "
         "partition: kernels (the project's own, the default) or megatron (Megatron-Core's "
         "own modules, what its training runs: the megatron extra, docs/megatron.md). "
         "Journaled as another backend.")

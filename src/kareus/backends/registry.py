@@ -3,7 +3,8 @@
 The rest of Kareus never compares a backend's name: it asks a spec what it can do
 (`Capabilities`) and lets it open its backend, its cost model and its plan simulator. A
 new backend is one module (a `BackendSpec` subclass with a ``kind`` and its
-``capabilities``, and the Backend it opens) plus one `register_backend` entry. Specs are
+``capabilities``, and the Backend it opens) plus one entry point (``kareus.backends``) or
+`register_backend`. Specs are
 plain data, so they cross process boundaries (search workers, Ray tasks) as dicts that
 carry their kind.
 """
@@ -11,7 +12,6 @@ carry their kind.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 from kareus.backends.base import Backend, CostModel, PlanSimulator
 from kareus.backends.options import MAX_SEED, Flag, flag_of, option, parts
 from kareus.core import MeasurementProtocol
+from kareus.core.registry import Registry
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Collective
@@ -144,44 +145,26 @@ class BackendSpec:
 
 S = TypeVar("S", bound=type[BackendSpec])
 
-_KINDS: dict[str, type[BackendSpec]] = {}
+BACKENDS: Registry[type[BackendSpec]] = Registry(
+    "backend", lambda spec: spec.kind, entry_points="kareus.backends")
+"""The backend kinds by name. The kinds Kareus ships are entry points (pyproject.toml),
+each imported when first asked for: each kind's module imports this one, and no backend
+imports another."""
 
 
 def register_backend(spec: S) -> S:
     """Add a kind (usable as a class decorator); its ``kind`` names it on the CLI."""
     if not spec.kind:
         raise ValueError(f"{spec.__name__} has no kind")
-    _KINDS[spec.kind] = spec
-    return spec
-
-
-BUILTIN_KINDS = {
-    "emulator": "kareus.backends.emulator.spec:EmulatorSpec",
-    "nvml": "kareus.backends.nvml:NvmlSpec",
-    "replay": "kareus.backends.replay:ReplaySpec",
-    "fakegpu": "kareus.backends.nvml:FakeGpuSpec",
-}
-"""The kinds Kareus ships, by module path (imported when first asked for, as entry points
-are: each kind's module imports this one, and no backend imports another)."""
-
-
-def _builtin() -> dict[str, type[BackendSpec]]:
-    for kind, where in BUILTIN_KINDS.items():
-        if kind not in _KINDS:
-            module, _, cls = where.partition(":")
-            register_backend(getattr(importlib.import_module(module), cls))
-    return _KINDS
+    return BACKENDS.register(spec)
 
 
 def backend_kinds() -> tuple[str, ...]:
-    return tuple(_builtin())
+    return BACKENDS.names()
 
 
 def backend_kind(name: str) -> type[BackendSpec]:
-    kinds = _builtin()
-    if name not in kinds:
-        raise SpecError(f"unknown backend {name!r}; available: {', '.join(kinds)}")
-    return kinds[name]
+    return BACKENDS.get(name)
 
 
 def numbers_from(identity: str) -> dict[str, Any]:
@@ -189,14 +172,14 @@ def numbers_from(identity: str) -> dict[str, Any]:
     journals record it): ``{"backend", "source", "fake", "note"}``, the block result.json
     carries. The one place an identity is read for it."""
     kind = identity.split(":", 1)[0]
-    spec = _builtin().get(kind)
+    spec = BACKENDS.find(kind)
     prov = spec.provenance if spec is not None else BackendSpec.provenance
     return {"backend": kind, "source": prov.source, "fake": prov.fake, "note": prov.note}
 
 
 def cost_model_kinds() -> tuple[str, ...]:
     """Kinds that offer a cost model (a search prior, ``--fill-missing``)."""
-    return tuple(k for k, s in _builtin().items() if s.capabilities.cost_model)
+    return tuple(k for k, s in BACKENDS.items() if s.capabilities.cost_model)
 
 
 def spec_from_options(name: str, given: dict[str, Any]) -> BackendSpec:

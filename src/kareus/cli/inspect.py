@@ -9,7 +9,8 @@ from kareus import SCHEMA_VERSION
 from kareus.cli.app import JsonFlag, app, console, print_json
 from kareus.cli.app import table as make_table
 from kareus.cli.job import with_job
-from kareus.job.hardware import get_gpu, get_node, gpu_names, node_names
+from kareus.job.hardware import get_gpu, gpu_names
+from kareus.job.nodes import get_node, node_names
 from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS
 from kareus.job.sources import build_job
 from kareus.job.spec import JobSpec

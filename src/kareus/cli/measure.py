@@ -21,7 +21,7 @@ from kareus.core import Knobs
 from kareus.core.pareto import pareto_front
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
-from kareus.plans.methods import get_method
+from kareus.plans.methods import THROUGHPUT_BASELINE, get_method
 from kareus.profiling.executors import ExecutorSpec, search_partitions
 from kareus.search.loop import SearchConfig
 from kareus.search.space import KnobSpace
@@ -116,7 +116,7 @@ def simulate(
     backend: BackendSpec,
     method: Annotated[str, typer.Option(
         "--method", help="A method with a fixed plan: megatron or nanobatch (which needs an "
-        "even micro-batch size).")] = "megatron",
+        "even micro-batch size).")] = THROUGHPUT_BASELINE,
     freq: Annotated[Optional[int], typer.Option(
         "--freq", help="One SM clock for every instruction (default: max clock).")] = None,
     breakdown: Annotated[bool, typer.Option(

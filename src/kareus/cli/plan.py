@@ -12,7 +12,7 @@ from kareus.cli.app import JsonFlag, app, console, print_json, table
 from kareus.cli.options import float_option
 from kareus.errors import KareusError
 from kareus.plans.export import export_plan
-from kareus.plans.methods import get_method
+from kareus.plans.methods import PROPOSED, get_method
 from kareus.plans.outfile import check_distinct, check_out_file, write_file_atomic
 from kareus.plans.plan import (
     DEADLINE_TOLERANCE_S,
@@ -113,7 +113,7 @@ def plan(
     grid_g_co2_per_kwh: Annotated[Optional[float], float_option(
         "--grid-g-co2-per-kwh", help="Grid carbon intensity, for the run's emissions.")
     ] = None,
-    method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = "kareus",
+    method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = PROPOSED,
     json_out: JsonFlag = False,
 ) -> None:
     """Pick the plan that meets a deadline or an energy budget with the least energy (or

@@ -9,6 +9,7 @@ from kareus.cli.app import JsonFlag, console, print_json, table
 from kareus.cli.options import float_option
 from kareus.cli.plan import PowerWindowOpt, ResultOpt, _method_name, plan_app
 from kareus.errors import KareusError
+from kareus.plans.methods import PROPOSED
 from kareus.plans.replan import (
     CapScheduleRun,
     StragglerSavings,
@@ -58,7 +59,7 @@ def replan_savings(
         "relaunch, load): your cluster's figure, no default.")] = None,
     plan_id: Annotated[Optional[str], typer.Option(
         "--plan", help="The plan the job runs (default: the fastest of --method).")] = None,
-    method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = "kareus",
+    method: Annotated[str, typer.Option("--method", help="Whose frontier.")] = PROPOSED,
     power_window_s: PowerWindowOpt = 1.0,
     json_out: JsonFlag = False,
 ) -> None:

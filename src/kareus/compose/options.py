@@ -20,7 +20,7 @@ journal-first one, and every recipe is evaluated once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from kareus.backends.base import Backend, JournalFirst
@@ -30,8 +30,9 @@ from kareus.compose.pipeline import PipelineCosts
 from kareus.compose.recipe import Combined, KeyChoice, Recipe, Scaled, Total, Whole
 from kareus.compose.transient import Transient
 from kareus.core import DIRECTIONS, Knobs, Measurement, PartitionSetting
+from kareus.core.registry import Registry
 from kareus.errors import SpecError
-from kareus.plans.methods import Method
+from kareus.plans.methods import DEFAULT_OVERLAP, SEARCHED, SEQUENTIAL, Method
 from kareus.workload.partition import PartitionSet, Step
 
 KeyFrontiers = dict[str, dict[int, list[KeyOption]]]
@@ -39,6 +40,14 @@ KeyFrontiers = dict[str, dict[int, list[KeyOption]]]
 
 InstructionOptions = dict[tuple[int, str], list[InstructionOption]]
 """Per (stage, direction): the Pareto-sorted options, fastest first."""
+
+
+SourceRecipe = Callable[["Composer", int, str, int, "KeyFrontiers | None"], Recipe]
+"""An option source's recipe of one instruction (stage, direction) at one clock."""
+
+SOURCE_RECIPES: Registry[SourceRecipe] = Registry("option source")
+"""Per option source (kareus.plans.methods.OPTION_SOURCES, by its name): how composition
+builds its options. A method names its sources; composing looks each one up here."""
 
 
 def key_frontiers(samples_by_key: Mapping[str, Iterable[tuple[Knobs, Measurement]]]
@@ -118,7 +127,7 @@ class Composer:
 
     def _method_recipes(self, method: Method, fronts: KeyFrontiers | None
                         ) -> dict[tuple[int, str], list[Recipe]]:
-        searched = "searched" in method.options
+        searched = method.needs_search
         hit = self._recipes.get(method.name)
         # a searched method's recipes hold the partition fronts they were built from: a
         # profile lists its needs before measuring the steps, which can add settings to
@@ -135,13 +144,7 @@ class Composer:
                 recipes: list[Recipe] = []
                 for f in freqs:
                     for source in method.options:
-                        if source == "searched":
-                            assert fronts is not None
-                            recipes.append(self._composed(stage, d, f, fronts))
-                        elif source == "default_overlap":
-                            recipes.append(self._default_overlap(stage, d, f))
-                        else:
-                            recipes.append(self._sequential(stage, d, f))
+                        recipes.append(SOURCE_RECIPES.get(source)(self, stage, d, f, fronts))
                 out[(stage, d)] = recipes
         self._recipes[method.name] = (fronts if searched else None, out)
         return out
@@ -235,3 +238,15 @@ class Composer:
                    else measure_need(b, need))
             self._answers[need] = hit
         return hit
+
+
+def _searched(c: Composer, stage: int, d: str, f: int, fronts: KeyFrontiers | None
+              ) -> Recipe:
+    assert fronts is not None  # a method that needs search is refused without its fronts
+    return c._composed(stage, d, f, fronts)
+
+
+SOURCE_RECIPES.add(lambda c, stage, d, f, _: c._sequential(stage, d, f), SEQUENTIAL.name)
+SOURCE_RECIPES.add(lambda c, stage, d, f, _: c._default_overlap(stage, d, f),
+                   DEFAULT_OVERLAP.name)
+SOURCE_RECIPES.add(_searched, SEARCHED.name)

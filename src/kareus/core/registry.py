@@ -122,6 +122,17 @@ class Registry(Generic[T]):
         """Every name and alias: what no code outside a registry compares against."""
         return (*self.names(), *self._aliases)
 
+    def module_of(self, name: str) -> str | None:
+        """The module that defines the thing called ``name`` (an entry point's without
+        loading it); None for an unknown name or a thing without one."""
+        name = self._aliases.get(name, name)
+        if name in self._items:
+            item = self._items[name]
+            module = getattr(item, "__module__", None)
+            return module if module is not None else type(item).__module__
+        ep = self._entry_points().get(name)
+        return ep.module if ep is not None else None
+
     def values(self) -> tuple[T, ...]:
         """Everything registered, entry points loaded."""
         return tuple(self.get(n) for n in self.names())

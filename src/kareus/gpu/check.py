@@ -10,6 +10,7 @@ The script composes instruction options and runs the emulator; those live above 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import KareusError
-from kareus.job.hardware import GPUSpec, gpu_names
+from kareus.job.hardware import GPUS, GPUSpec, gpu_names
 from kareus.workload.ops import Op, ops_signature
 from kareus.workload.partition import Partition
 
@@ -30,14 +31,9 @@ def catalog_gpu(device_name: str, fallback: str = FALLBACK_GPU) -> tuple[str, st
     """The catalog entry for a device name ("NVIDIA H200" -> "H200"), and a warning when
     the name matches none and ``fallback`` stands in."""
     n = device_name.lower()
-    if "h200" in n:
-        return "H200", None
-    if "h100" in n:
-        return "H100-SXM", None
-    if "a100" in n:
-        return ("A100-80GB" if "80g" in n else "A100-40GB"), None
-    if "a40" in n.split() or n.endswith("a40"):
-        return "A40", None
+    for gpu in GPUS.values():  # each entry's own patterns (`GPUSpec.device_names`)
+        if any(re.search(pattern, n) for pattern in gpu.device_names):
+            return gpu.name, None
     return fallback, (f"GPU {device_name!r} is not in the catalog ({', '.join(gpu_names())}); "
                       f"emulating {fallback}, so the errors compare two different GPU models")
 

@@ -9,18 +9,17 @@ the slot's op on a side stream, joined at the end); they differ in whose code co
   the kernels a Megatron-Core training runs.
 
 Measurements of different runtimes are journaled under different backend identities, so
-their numbers never mix. Built-in runtimes are found by module path, as backend kinds are
-(kareus.backends.registry): the Megatron one lives in an optional integration above this
-layer and is imported only when asked for.
+their numbers never mix. Runtimes are entry points (``kareus.runtimes`` in pyproject.toml),
+as backend kinds are (kareus.backends.registry): the Megatron one lives in an optional
+integration above this layer and is imported only when asked for.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Protocol
 
-from kareus.errors import SpecError
+from kareus.core.registry import Registry
 from kareus.job.spec import JobSpec
 from kareus.workload.partition import Partition
 
@@ -71,29 +70,26 @@ class KernelRuntime:
 
 RuntimeFactory = Callable[[JobSpec, str], PartitionRuntime]
 
-BUILTIN_RUNTIMES = {
-    "kernels": "kareus.gpu.runtimes:KernelRuntime",
-    "megatron": "kareus.integrations.megatron.profiling:MegatronRuntime",
-}
-"""Runtime name -> its class, by module path (imported when first asked for)."""
+def _missing_extra(name: str, exc: ImportError) -> str:
+    return (f"the {name} runtime needs {exc.name or 'its extra'}: from a clone, "
+            f"pip install -e '.[{name}]' (docs/megatron.md)")
+
+
+RUNTIMES: Registry[RuntimeFactory] = Registry(
+    "runtime", entry_points="kareus.runtimes", missing=_missing_extra)
+"""Runtimes by name, each imported when first asked for (entry points)."""
+
+DEFAULT_RUNTIME = KernelRuntime.name
+"""What computes unless a spec names another; a backend identity names any other."""
 
 
 def runtime_names() -> tuple[str, ...]:
-    return tuple(BUILTIN_RUNTIMES)
+    return RUNTIMES.names()
 
 
 def runtime_class(name: str) -> RuntimeFactory:
     """The runtime ``name``; one line for an unknown one, or one whose extra is missing."""
-    where = BUILTIN_RUNTIMES.get(name)
-    if where is None:
-        raise SpecError(f"unknown runtime {name!r}; available: {', '.join(BUILTIN_RUNTIMES)}")
-    module, _, cls = where.partition(":")
-    try:
-        found: RuntimeFactory = getattr(importlib.import_module(module), cls)
-    except ImportError as exc:
-        raise SpecError(f"the {name} runtime needs {exc.name or 'its extra'}: from a clone, "
-                        f"pip install -e '.[{name}]' (docs/megatron.md)") from None
-    return found
+    return RUNTIMES.get(name)
 
 
 def check_runtime(name: str, job: JobSpec) -> None:

@@ -10,7 +10,9 @@ range.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from kareus.core.registry import Registry
 from kareus.errors import SpecError
 
 CLOCK_STEP_MHZ = 15  # every NVIDIA data-centre part here exposes 15 MHz steps (anchors §1)
@@ -38,6 +40,21 @@ class GPUSpec:
     static_power_w: float
     """Power of a GPU blocked in communication (what Kareus/Perseus subtract)."""
     idle_power_w: float
+    arch: str
+    """CUDA architecture ("sm80", "sm86", "sm90"): what the emulator's per-architecture
+    constants (kareus.backends.emulator.params) are chosen by."""
+    smem_per_sm_bytes: int
+    """Shared memory per SM (CUDA C++ Programming Guide, compute capabilities table): which
+    GEMM tiles fit (kareus.backends.emulator.gemm)."""
+    flash_attention: str | None = None
+    """Whose published FlashAttention-2 runs this GPU's kernels follow ("ampere": the
+    A100's, "hopper": the H100's; None: none published, kareus.backends.emulator.attention)."""
+    interference_coefficient: float | None = None
+    """The emulator's slowdown of compute beside a collective beyond the SMs it loses, where
+    this GPU has its own fit (None: its architecture's, kareus.backends.emulator.params)."""
+    device_names: tuple[str, ...] = ()
+    """Regular expressions of the device names NVML reports for it (lower case, searched):
+    how a real GPU is found in the catalog (kareus.gpu.check)."""
     memory_bytes: float = 80 * 2**30
     """Device memory (datasheet)."""
     nccl_channels: int = 32
@@ -82,6 +99,8 @@ _A100_NOTES = {
     "default_node": "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU (anchors §9)",
     "static_power": "Kareus/Perseus constant for A100, GPU blocked in communication (anchors §1)",
     "idle_power": "about 60 W at 210 MHz (anchors §1)",
+    "smem_per_sm": "CUDA C++ Programming Guide, compute capability 8.0: 164 KB per SM",
+    "flash_attention": "FlashAttention-2 paper's A100 runs (kareus.backends.emulator.attention)",
     "nccl_channels": "24 coll channels in NCCL_DEBUG=INFO logs of 8-GPU NVSwitch A100 nodes; "
                      "NCCL's topology search sizes channels by each GPU's NVLink bandwidth, "
                      "so 2-, 4- and 8-GPU groups inside the node get the same (anchors §3)",
@@ -96,11 +115,24 @@ _HOPPER_NOTES = {
     "static_power": "assumption: not published; 115 W chosen inside the 90-145 W range "
                     "(anchors §1)",
     "idle_power": "about 140 W with memory allocated, P0 (anchors §1)",
+    "smem_per_sm": "CUDA C++ Programming Guide, compute capability 9.0: 228 KB per SM",
+    "flash_attention": "the H100 runs of FlashAttention-2 (kareus.backends.emulator.attention)",
     "nccl_channels": "32 coll channels in NCCL_DEBUG=INFO logs of 8-GPU NVSwitch H100 nodes, "
                      "the same for smaller groups inside the node (anchors §3)",
 }
 
-_CATALOG: dict[str, GPUSpec] = {
+GPUS: Registry[GPUSpec] = Registry("GPU", lambda g: g.name)
+"""The GPU catalog by name (aliases: common spellings, looked up case-insensitively)."""
+
+DEFAULT_GPU = "A100-40GB"
+"""The GPU of a job that names none (`JobSpec.gpu`), and of an emulator opened without a
+job: the Kareus paper's (anchors §4)."""
+
+ATTENTION_STAND_IN = "A100-40GB"
+"""Whose FlashAttention efficiency at a set clock stands in on a GPU without published
+runs of its own (kareus.backends.emulator.physics; inferred: the same kernel)."""
+
+_GPUS = {
     "A100-40GB": GPUSpec(
         name="A100-40GB",
         sm_count=108,
@@ -118,6 +150,10 @@ _CATALOG: dict[str, GPUSpec] = {
         nccl_channels=24,
         idle_power_w=60.0,
         memory_bytes=40 * 2**30,
+        arch="sm80",
+        smem_per_sm_bytes=164 * 1024,
+        flash_attention="ampere",
+        device_names=(r"a100(?!.*80g)",),
         notes=_A100_NOTES,
     ),
     "A100-80GB": GPUSpec(
@@ -137,6 +173,10 @@ _CATALOG: dict[str, GPUSpec] = {
         nccl_channels=24,
         idle_power_w=60.0,
         memory_bytes=80 * 2**30,
+        arch="sm80",
+        smem_per_sm_bytes=164 * 1024,
+        flash_attention="ampere",
+        device_names=(r"a100.*80g",),
         notes={**_A100_NOTES, "hbm": "A100 SXM4 80GB datasheet: 2039 GB/s (anchors §1)"},
     ),
     "H100-SXM": GPUSpec(
@@ -157,6 +197,13 @@ _CATALOG: dict[str, GPUSpec] = {
         idle_power_w=140.0,
         memory_bytes=80 * 2**30,
         search_min_freq_mhz=1260,
+        arch="sm90",
+        smem_per_sm_bytes=228 * 1024,
+        flash_attention="hopper",
+        # the H200 fit is the architecture's; the H100 one-wave GEMM under a 24-CTA
+        # AllGather (anchors §3) needs 3x: docs/emulator.md, "Interference beyond SM loss"
+        interference_coefficient=0.75,
+        device_names=(r"h100",),
         notes={**_HOPPER_NOTES, "allreduce_busbw": "~370 GB/s achieved, 8 GPUs (anchors §1)",
                "default_node": "DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU (anchors §9)"},
     ),
@@ -178,6 +225,10 @@ _CATALOG: dict[str, GPUSpec] = {
         idle_power_w=140.0,
         memory_bytes=141e9,
         search_min_freq_mhz=1260,
+        arch="sm90",
+        smem_per_sm_bytes=228 * 1024,
+        flash_attention="hopper",
+        device_names=(r"h200",),
         notes={**_HOPPER_NOTES, "allreduce_busbw": "~475 GB/s achieved, 8 GPUs (anchors §1)",
                "default_node": "DGX H200: one 400 Gb/s NDR InfiniBand NIC per GPU (anchors §9)"},
     ),
@@ -197,6 +248,9 @@ _CATALOG: dict[str, GPUSpec] = {
         static_power_w=70.0,
         idle_power_w=30.0,
         memory_bytes=48 * 2**30,
+        arch="sm86",
+        smem_per_sm_bytes=100 * 1024,
+        device_names=(r"\ba40\b", r"a40$"),
         notes={
             "sm_count": "NVIDIA A40 datasheet (anchors §1)",
             "search freqs": "Kareus artifact: 1740..900 MHz in 30 MHz steps (anchors §4)",
@@ -205,6 +259,8 @@ _CATALOG: dict[str, GPUSpec] = {
             "allreduce_busbw": "assumption: 8 GPUs over PCIe Gen4, ~20 GB/s bus bandwidth",
             "static_power": "Kareus/Perseus constant for A40 (anchors §1)",
             "idle_power": "about 30 W in P8 (anchors §1)",
+            "smem_per_sm": "CUDA C++ Programming Guide, compute capability 8.6: 100 KB per SM",
+            "flash_attention": "none published for the A40: the A100's efficiency stands in",
             "nccl_channels": "assumption: no public log for PCIe A40 nodes; Megatron's maxCTAs",
             "default_node": "assumption: one 100 Gb/s NIC per GPU (no public A40 node)",
         },
@@ -226,110 +282,28 @@ _ALIASES = {
 }
 
 
+for _gpu in _GPUS.values():
+    GPUS.add(_gpu, aliases=[a for a, n in _ALIASES.items() if n == _gpu.name])
+
+T = TypeVar("T")
+
+
+def catalog_lookup(registry: Registry[T], name: str) -> T:
+    """A catalog entry by its name or a common alias, case-insensitive (the one lookup
+    of GPUs and node types)."""
+    folded = name.strip().lower()
+    found = registry.find(name)
+    if found is None:
+        found = registry.find(folded)
+    if found is None:
+        found = next((registry.get(n) for n in registry.names() if n.lower() == folded), None)
+    return found if found is not None else registry.get(name)
+
+
 def gpu_names() -> list[str]:
-    return list(_CATALOG)
+    return list(GPUS.names())
 
 
 def get_gpu(name: str) -> GPUSpec:
     """Look a GPU up by its catalog name or a common alias (case-insensitive)."""
-    canonical = _ALIASES.get(name.strip().lower(), name)
-    try:
-        return _CATALOG[canonical]
-    except KeyError:
-        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(_CATALOG)}") from None
-
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One node type: the GPUs it holds and its network between nodes (anchors §9).
-    Inside the node the GPUs talk over NVLink/NVSwitch (the GPU's own constants)."""
-
-    name: str
-    gpus: tuple[str, ...]
-    """The GPU models (catalog names) this node type comes with."""
-    gpu_count: int
-    nics: int
-    """Network adapters for the compute fabric (storage and management ones left out)."""
-    nic_bytes_s: float
-    """One adapter's line rate."""
-    notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def internode_bytes_s(self) -> float:
-        """The node's network bandwidth to other nodes, all adapters together."""
-        return self.nics * self.nic_bytes_s
-
-    def internode_share_bytes_s(self, senders: int) -> float:
-        """Bandwidth each of ``senders`` GPUs gets when they send off the node at once: a
-        GPU's traffic leaves through one adapter, and the node's adapters are shared evenly
-        (p4d.24xlarge, 8 senders: 400 Gb/s / 8 = 6.25 GB/s each)."""
-        if senders < 1:
-            raise ValueError(f"senders must be >= 1, got {senders}")
-        return min(self.nic_bytes_s, self.internode_bytes_s / senders)
-
-
-_GBIT = 1e9 / 8  # bytes/s in one Gb/s
-
-_NODES: dict[str, NodeSpec] = {
-    "DGX-A100": NodeSpec(
-        name="DGX-A100", gpus=("A100-40GB", "A100-80GB"), gpu_count=8, nics=8,
-        nic_bytes_s=200 * _GBIT,
-        notes={"nics": "NVIDIA DGX A100 datasheet: 8 single-port ConnectX-6 200 Gb/s HDR "
-                       "InfiniBand for the compute fabric (anchors §9)"}),
-    "p4d.24xlarge": NodeSpec(
-        name="p4d.24xlarge", gpus=("A100-40GB",), gpu_count=8, nics=4,
-        nic_bytes_s=100 * _GBIT,
-        notes={"nics": "AWS EC2 P4d: 8 A100-40GB on NVSwitch, 400 Gb/s EFA per instance as "
-                       "4 x 100 Gb/s (anchors §9); the Kareus paper's cluster (anchors §4)"}),
-    "DGX-H100": NodeSpec(
-        name="DGX-H100", gpus=("H100-SXM",), gpu_count=8, nics=8, nic_bytes_s=400 * _GBIT,
-        notes={"nics": "NVIDIA DGX H100 user guide: 8 single-port ConnectX-7 400 Gb/s NDR "
-                       "InfiniBand for the compute fabric (anchors §9)"}),
-    "DGX-H200": NodeSpec(
-        name="DGX-H200", gpus=("H200",), gpu_count=8, nics=8, nic_bytes_s=400 * _GBIT,
-        notes={"nics": "NVIDIA DGX H200 datasheet: 8 single-port ConnectX-7 400 Gb/s "
-                       "(anchors §9)"}),
-    "A40-PCIe": NodeSpec(
-        name="A40-PCIe", gpus=("A40",), gpu_count=8, nics=8, nic_bytes_s=100 * _GBIT,
-        notes={"nics": "assumption: no public A40 node; one 100 Gb/s NIC per GPU"}),
-}
-
-_NODE_ALIASES = {
-    "dgx-a100": "DGX-A100", "dgxa100": "DGX-A100",
-    "p4d": "p4d.24xlarge", "p4d.24xlarge": "p4d.24xlarge",
-    "dgx-h100": "DGX-H100", "dgxh100": "DGX-H100",
-    "dgx-h200": "DGX-H200", "dgxh200": "DGX-H200",
-    "a40-pcie": "A40-PCIe",
-}
-
-
-def node_names() -> list[str]:
-    return list(_NODES)
-
-
-def get_node(name: str) -> NodeSpec:
-    """Look a node type up by its catalog name or a common alias (case-insensitive)."""
-    canonical = _NODE_ALIASES.get(name.strip().lower(), name)
-    try:
-        return _NODES[canonical]
-    except KeyError:
-        raise SpecError(f"unknown node type {name!r}; known: {', '.join(_NODES)}") from None
-
-
-def node_of(gpu: GPUSpec, node: str | None) -> NodeSpec:
-    """The node a job runs on: the one it names, else its GPU's default."""
-    return get_node(node if node is not None else gpu.default_node)
-
-
-def check_node(name: str, gpu: GPUSpec, gpus_per_node: int) -> str | None:
-    """A job's ``node`` field: the catalog name, or None for the GPU's default node (one
-    job, one identity); SpecError, one line, for a node that does not hold the job."""
-    node = get_node(name)
-    if gpu.name not in node.gpus:
-        raise SpecError(f"node type {node.name} holds {' or '.join(node.gpus)}, not {gpu.name}; "
-                        f"name a node type that holds it (known: {', '.join(_NODES)})")
-    if gpus_per_node > node.gpu_count:
-        raise SpecError(f"node type {node.name} has {node.gpu_count} GPUs, not "
-                        f"gpus_per_node={gpus_per_node}")
-    return None if node.name == gpu.default_node else node.name
+    return catalog_lookup(GPUS, name)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kareus.errors import SpecError
 from kareus.job import nanobatch
-from kareus.job.hardware import GPUSpec, NodeSpec, check_node, get_gpu, node_of
+from kareus.job.hardware import DEFAULT_GPU, GPUSpec, get_gpu
 from kareus.job.identity import job_identity
 from kareus.job.limits import (
     MAX_FFN_HIDDEN_SIZE,
@@ -33,6 +33,7 @@ from kareus.job.limits import (
     MAX_VOCAB_SIZE,
 )
 from kareus.job.nanobatch import NanobatchSplit
+from kareus.job.nodes import NodeSpec, check_node, node_of
 from kareus.job.training import TrainingSettings, misplaced
 from kareus.job.validation import first_error_line
 
@@ -119,7 +120,7 @@ class JobSpec(BaseModel):
     recompute: bool = Field(
         True, description="full activation recompute, uniform, one layer per checkpoint"
     )
-    gpu: str = "A100-40GB"
+    gpu: str = DEFAULT_GPU
     gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE)
     nodes: int = Field(1, ge=1, le=MAX_GPUS)
     node: str | None = Field(None, description="node type (kareus.job.hardware: its links "

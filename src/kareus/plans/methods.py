@@ -19,14 +19,38 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kareus.core import LAUNCH_FIRST
+from kareus.core.registry import Registry
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.plans.execution import ExecutionPlan
 
-OptionSource = Literal["sequential", "default_overlap", "searched"]
-"""How an instruction option is built: the Megatron-style execution (microbatch not split,
-collectives blocking), the default overlap (Nanobatching), or the partitions' searched
-frontiers composed per instruction."""
+
+@dataclass(frozen=True)
+class OptionSource:
+    """How an instruction option is built (kareus.compose.options builds each source's
+    options, looked up by its name), and what it asks of a job and of a profile."""
+
+    name: str
+    summary: str
+    splits_microbatch: bool
+    """Its options split each microbatch into two nanobatches."""
+    needs_search: bool = False
+    """Its options are composed from the partitions' searched frontiers."""
+
+
+OPTION_SOURCES: Registry[OptionSource] = Registry("option source", lambda s: s.name)
+SEQUENTIAL = OPTION_SOURCES.register(OptionSource(
+    "sequential", "the Megatron-style execution (microbatch not split, collectives "
+    "blocking)", splits_microbatch=False))
+DEFAULT_OVERLAP = OPTION_SOURCES.register(OptionSource(
+    "default_overlap", "the default overlap (Nanobatching)", splits_microbatch=True))
+SEARCHED = OPTION_SOURCES.register(OptionSource(
+    "searched", "the partitions' searched frontiers composed per instruction",
+    splits_microbatch=True, needs_search=True))
+
+Role = Literal["throughput_baseline", "iso_reference", "proposed"]
+"""What code asks a method for instead of its name: the baseline of max-throughput metrics,
+the reference of the iso-time and iso-energy metrics, the method Kareus proposes."""
 
 ClockSet = Literal["max", "search"]
 """The clocks an instruction may run at: the GPU's max clock, or every search clock."""
@@ -37,7 +61,8 @@ class Method:
     name: str
     display_name: str
     clocks: ClockSet
-    options: tuple[OptionSource, ...]
+    options: tuple[str, ...]
+    """Its option sources (`OPTION_SOURCES` names)."""
     overlap: bool
     """Its plans split microbatches and overlap collectives (except instructions an option
     marks sequential)."""
@@ -50,17 +75,23 @@ class Method:
     fixed_plan: bool = False
     """It runs one fixed plan at one clock (no search, no clock planning): `kareus
     simulate` can run it."""
+    role: Role | None = None
+    """The part it plays in metrics and reports (at most one method per role)."""
+
+    @property
+    def sources(self) -> tuple[OptionSource, ...]:
+        return tuple(OPTION_SOURCES.get(s) for s in self.options)
 
     @property
     def needs_search(self) -> bool:
-        return "searched" in self.options
+        return any(s.needs_search for s in self.sources)
 
     @property
     def splits_microbatch(self) -> bool:
         """Some of its options split each microbatch into two nanobatches (the default
         overlap, the searched partitions): it needs a job with an even micro-batch size
         (`JobSpec.splits_into_nanobatches`). Megatron-LM and Perseus run any size."""
-        return any(source != "sequential" for source in self.options)
+        return any(s.splits_microbatch for s in self.sources)
 
     def runs_on(self, job: JobSpec) -> bool:
         """The method can run ``job`` (`left_out_line` says why one cannot)."""
@@ -84,28 +115,27 @@ class Method:
                              default_slot=LAUNCH_FIRST if self.overlap else None)
 
 
-ISO_REFERENCE = "perseus"
-"""The paper's iso-time and iso-energy metrics compare against this method."""
-THROUGHPUT_BASELINE = "megatron"
-"""Max-throughput metrics compare against this method."""
-
-_REGISTRY: dict[str, Method] = {}
+METHODS: Registry[Method] = Registry("method", lambda m: m.name)
+"""Every method, in registration order (a method follows those it merges)."""
 
 
 def register(method: Method) -> Method:
-    taken = {n for m in _REGISTRY.values() for n in (m.name, *m.aliases)}
+    taken = set(METHODS.all_names())
     clash = {method.name, *method.aliases} & taken
     if clash:
         raise SpecError(f"method name(s) already registered: {', '.join(sorted(clash))}")
-    unknown = [m for m in method.merges if m not in _REGISTRY]
+    unknown = [m for m in method.merges if m not in METHODS]
     if unknown:
         raise SpecError(f"{method.name} merges unregistered methods: {', '.join(unknown)}")
-    _REGISTRY[method.name] = method
-    return method
+    if method.role is not None and any(m.role == method.role for m in all_methods()):
+        raise SpecError(f"a method has the role {method.role} already")
+    for source in method.options:
+        OPTION_SOURCES.get(source)
+    return METHODS.add(method, aliases=method.aliases)
 
 
 def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    METHODS.remove(name)
 
 
 @contextmanager
@@ -120,11 +150,19 @@ def registered(method: Method) -> Iterator[Method]:
 
 def all_methods() -> tuple[Method, ...]:
     """Every registered method, in registration order (a method follows those it merges)."""
-    return tuple(_REGISTRY.values())
+    return METHODS.values()
 
 
 def method_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return METHODS.names()
+
+
+def by_role(role: Role) -> Method:
+    """The method playing ``role``."""
+    for m in all_methods():
+        if m.role == role:
+            return m
+    raise SpecError(f"no method has the role {role}")
 
 
 def _normal(text: str) -> str:
@@ -134,36 +172,46 @@ def _normal(text: str) -> str:
 def get_method(name: str) -> Method:
     """A method by name, alias or display name, case, spaces and punctuation ignored
     ("Nanobatching+Perseus", "kareus_no_sched"); one clear error for an unknown one."""
-    for m in _REGISTRY.values():
-        if name == m.name or name in m.aliases:
-            return m
+    found = METHODS.find(name)
+    if found is not None:
+        return found
     wanted = _normal(name)
-    for m in _REGISTRY.values():
+    for m in all_methods():
         if wanted in {_normal(n) for n in (m.name, m.display_name, *m.aliases)}:
             return m
-    raise SpecError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)}")
+    return METHODS.get(name)
 
 
 def display_name(name: str) -> str:
-    m = _REGISTRY.get(name)
+    m = METHODS.find(name)
     return m.display_name if m is not None else name
 
 
 register(Method("megatron", "Megatron-LM", clocks="max", options=("sequential",),
-                overlap=False, color="#7f7f7f", marker="s", fixed_plan=True))
+                overlap=False, color="#7f7f7f", marker="s", fixed_plan=True,
+                role="throughput_baseline"))
 register(Method("nanobatch", "Nanobatching", clocks="max", options=("default_overlap",),
                 overlap=True, color="#bcbd22", marker="D", fixed_plan=True))
 register(Method("perseus", "Perseus", clocks="search", options=("sequential",),
-                overlap=False, color="#1f77b4", marker="o"))
+                overlap=False, color="#1f77b4", marker="o", role="iso_reference"))
 register(Method("nanobatch_perseus", "Nanobatching + Perseus", clocks="search",
                 options=("default_overlap",), overlap=True, color="#9467bd", marker="v",
                 aliases=("kareus_no_sched",)))
 register(Method("kareus", "Kareus", clocks="search",
                 options=("searched", "default_overlap", "sequential"), overlap=True,
-                color="#d62728", marker="*", merges=("perseus", "nanobatch_perseus")))
+                color="#d62728", marker="*", merges=("perseus", "nanobatch_perseus"),
+                role="proposed"))
 register(Method("kareus_no_freq", "Kareus, max clock only", clocks="max",
                 options=("searched", "default_overlap", "sequential"), overlap=True,
                 color="#ff7f0e", marker="^"))
+
+
+ISO_REFERENCE = by_role("iso_reference").name
+"""The paper's iso-time and iso-energy metrics compare against this method."""
+THROUGHPUT_BASELINE = by_role("throughput_baseline").name
+"""Max-throughput metrics compare against this method."""
+PROPOSED = by_role("proposed").name
+"""The method Kareus proposes: reports' headline, `plan`'s and `replan`'s default."""
 
 
 _SPLITS = "splits each microbatch into two nanobatches and needs"

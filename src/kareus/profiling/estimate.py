@@ -43,6 +43,7 @@ from kareus.profiling.cost import (
 from kareus.profiling.executors import ExecutorSpec
 from kareus.profiling.profile import composition_needs
 from kareus.profiling.step_fit import FitPolicy, measure_steps
+from kareus.search.config import get_strategy
 from kareus.search.loop import SearchConfig
 from kareus.store import journal_exists
 from kareus.workload.workload import Workload
@@ -65,7 +66,7 @@ def estimate_profile(workload: Workload, journal: str, backend: BackendSpec,
         for k in keys:
             space = workload[k].knob_space_size(nf)
             held = len(measured.samples(k)) if measured is not None else 0
-            n = max(0, (space if config.strategy == "exhaustive"
+            n = max(0, (space if get_strategy(config.strategy).fills_space
                         else min(config.budget, space)) - held)
             settles = _search_settles(n, nf, config, prior is not None)
             cost = _protocol_s(protocol, n, settles)
@@ -115,7 +116,7 @@ def _journaled(workload: Workload, journal: str, backend: BackendSpec, stack: Ex
 def _search_settles(n: int, clocks: int, config: SearchConfig, with_prior: bool) -> float:
     """Expected clock changes of a search measuring ``n`` settings: its initial design,
     then batches, each measured one clock at a time."""
-    if config.strategy == "exhaustive":
+    if get_strategy(config.strategy).fills_space:
         return float(min(n, clocks))
     first = min(n, config.initial_size(with_prior))
     total = expected_clock_changes(first, clocks)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from kareus.errors import KareusError
 from kareus.job.spec import JobSpec
+from kareus.plans.methods import THROUGHPUT_BASELINE
 from kareus.plans.plan import Plan, select
 from kareus.plans.power import trace_of, under_cap
 from kareus.plans.run_cost import DEFAULT_CURRENCY, RunCost, iterations_of
@@ -24,7 +25,7 @@ def run_cost(rd: ResultDir, p: Plan, job: dict[str, Any], iterations: Optional[i
         raise KareusError("--price-per-kwh and --grid-g-co2-per-kwh need --iterations or "
                           "--train-tokens")
     n = iterations_of(job_spec(rd, job), iterations, train_tokens)
-    ref = select(rd.frontier("megatron"), "max-throughput")
+    ref = select(rd.frontier(THROUGHPUT_BASELINE), "max-throughput")
     return RunCost.of(n, p.time_s, p.energy_j, float(ref["time_s"]),
                       float(ref["energy_j"]), price_per_kwh, g_co2_per_kwh, currency)
 

@@ -6,7 +6,13 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, all_methods, display_name
+from kareus.plans.methods import (
+    ISO_REFERENCE,
+    PROPOSED,
+    THROUGHPUT_BASELINE,
+    all_methods,
+    display_name,
+)
 from kareus.plans.plan import Plan
 from kareus.plans.units import (
     ENERGY_DISPLAY,
@@ -87,9 +93,9 @@ def frontier_axes(frontiers: dict[str, list[tuple[float, float]]], title: str
 def _label(method: str, frontiers: dict[str, list[tuple[float, float]]]) -> str:
     """A series' legend entry; where Megatron-LM at max clock is drawn twice (composed, and
     simulated at 100% of TDP), each says which it is."""
-    if not (frontiers.get(POWER_LIMITED) and frontiers.get("megatron")):
+    if not (frontiers.get(POWER_LIMITED) and frontiers.get(THROUGHPUT_BASELINE)):
         return display_name(method)
-    if method == "megatron":
+    if method == THROUGHPUT_BASELINE:
         return f"{display_name(method)} (composed, as every method)"
     if method == POWER_LIMITED:
         return (f"{POWER_LIMITED}\n(whole iterations, 100% of TDP first: off\nthe composed "
@@ -146,7 +152,7 @@ def markdown_report(result: OptimizeResult, out: Path) -> str:
                   result.metrics), "", *_METRICS_IN_WORDS, "",
               _validation_line(result.validation_max_error, *result.validated_plans()), "",
               *_validation_table(result.validation())]
-    seq = [p for p in result.plans.get("kareus", []) if p.execution.sequential]
+    seq = [p for p in result.plans.get(PROPOSED, []) if p.execution.sequential]
     if seq:
         lines += [f"{len(seq)} Kareus plans run some instructions without overlap "
                   f"(Megatron-style), where overlap did not pay.", ""]
@@ -200,7 +206,7 @@ def _power_lines(result: OptimizeResult) -> list[str]:
 def _two_megatrons(result: OptimizeResult) -> list[str]:
     """Why the power-limited runs' 100% row is not the frontier's Megatron-LM point: one
     is simulated, the other composed."""
-    plans = result.plans.get("megatron")
+    plans = result.plans.get(THROUGHPUT_BASELINE)
     full = next((r for r in result.power_limited or [] if r["limit_fraction"] == 1.0), None)
     if not plans or full is None:
         return []
@@ -312,9 +318,9 @@ _METRICS_IN_WORDS = [
 
 def headline(result: OptimizeResult) -> str:
     """One sentence: Kareus's savings against Perseus and Megatron-LM."""
-    m = result.metrics.get("kareus")
+    m = result.metrics.get(PROPOSED)
     if not m:
-        why = result.left_out.get("kareus")
+        why = result.left_out.get(PROPOSED)
         return _provenance(result) + ("Kareus was not among the methods run." if why is None
                                       else f"Kareus was left out: {why}.")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from kareus import SCHEMA_VERSION
 from kareus.job.spec import JobSpec
+from kareus.plans.methods import PROPOSED
 from kareus.plans.plan import Plan
 from kareus.search.loop import SearchResult
 
@@ -136,6 +137,6 @@ class OptimizeResult:
 def highlighted_method(result: OptimizeResult) -> str:
     """Whose plans report.md and the timelines show: Kareus where it ran, else the method
     with the most plans (the first of those), e.g. Perseus where Kareus was left out."""
-    if result.plans.get("kareus"):
-        return "kareus"
-    return max(result.plans, key=lambda m: len(result.plans[m]), default="kareus")
+    if result.plans.get(PROPOSED):
+        return PROPOSED
+    return max(result.plans, key=lambda m: len(result.plans[m]), default=PROPOSED)

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from kareus.errors import KareusError
+from kareus.plans.methods import PROPOSED
 from kareus.plans.plan import Plan
 from kareus.results.resultdir import ResultDir
 from kareus.runtime.plan_switcher import PlanSwitcher
 
 
-def result_plans(result: str | Path, start: str | None = None, method: str = "kareus"
+def result_plans(result: str | Path, start: str | None = None, method: str = PROPOSED
                  ) -> tuple[list[Plan], str, dict[str, Any]]:
     """The plans of ``start``'s method (without ``start``: ``method``'s, starting on its
     fastest), the start plan's id and the job they are for."""

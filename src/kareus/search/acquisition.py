@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from kareus.core.pareto import hypervolume_improvements, pareto_mask
+from kareus.core.registry import Registry
 from kareus.errors import SpecError
 
 
@@ -110,26 +111,22 @@ class AcquisitionPass:
         raise NotImplementedError
 
 
-_PASSES: dict[str, AcquisitionPass] = {}
+PASSES: Registry[AcquisitionPass] = Registry("acquisition pass", lambda p: p.name)
 P = TypeVar("P", bound=type[AcquisitionPass])
 
 
 def register_pass(cls: P) -> P:
     """Class decorator: make a pass selectable by its name."""
-    _PASSES[cls.name] = cls()
+    PASSES.register(cls())
     return cls
 
 
 def get_pass(name: str) -> AcquisitionPass:
-    try:
-        return _PASSES[name]
-    except KeyError:
-        raise SpecError(f"unknown acquisition pass {name!r}; known: "
-                        f"{', '.join(pass_names())}") from None
+    return PASSES.get(name)
 
 
 def pass_names() -> tuple[str, ...]:
-    return tuple(_PASSES)
+    return PASSES.names()
 
 
 def pass_counts(batch_size: int, shares: PassShares) -> dict[str, int]:

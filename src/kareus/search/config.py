@@ -17,6 +17,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from kareus.backends.base import CostModel
+from kareus.core.registry import Registry
 from kareus.errors import SpecError
 from kareus.search.acquisition import PUBLISHED_SHARES, PassShares
 from kareus.search.state import SearchState
@@ -159,31 +160,27 @@ class Strategy:
         raise NotImplementedError
 
 
-_STRATEGIES: dict[str, Strategy] = {}
+STRATEGIES: Registry[Strategy] = Registry("strategy", lambda s: s.name)
 S = TypeVar("S", bound=type[Strategy])
 
 
 def register_strategy(cls: S) -> S:
     """Class decorator: make a strategy selectable by its name (``SearchConfig.strategy``,
     ``--strategy``)."""
-    _STRATEGIES[cls.name] = cls()
+    STRATEGIES.register(cls())
     return cls
 
 
 def get_strategy(name: str) -> Strategy:
-    try:
-        return _STRATEGIES[name]
-    except KeyError:
-        raise SpecError(f"unknown strategy {name!r}; known: "
-                        f"{', '.join(strategy_names())}") from None
+    return STRATEGIES.get(name)
 
 
 def strategy_names() -> tuple[str, ...]:
     """The registered strategies, in registration order."""
-    return tuple(_STRATEGIES)
+    return STRATEGIES.names()
 
 
 def describe_strategies() -> str:
     """One line naming every registered strategy with its summary (``--strategy`` help)."""
     return "; ".join(f"{name}: {s.summary}" if s.summary else name
-                     for name, s in _STRATEGIES.items())
+                     for name, s in STRATEGIES.items())

@@ -46,6 +46,7 @@ from kareus.core.lock import Lock
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
 from kareus.plans.methods import (
+    THROUGHPUT_BASELINE,
     Method,
     all_methods,
     get_method,
@@ -309,7 +310,7 @@ class OptimizeRun:
         """Step 4, Megatron-LM under board power limits, where the backend simulates."""
         simulator = composed.simulator
         runs = None
-        if simulator is not None and "megatron" in plans:
+        if simulator is not None and THROUGHPUT_BASELINE in plans:
             t0 = time.perf_counter()
             runs = power_limited_megatron(self.workload, self.backend)
             self.timings["power_limited"] = time.perf_counter() - t0

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kareus.backends.registry import BackendSpec
-from kareus.plans.methods import get_method
+from kareus.plans.methods import ISO_REFERENCE, PROPOSED, THROUGHPUT_BASELINE, by_role
 from kareus.plans.plan import Plan
 from kareus.workload.workload import Workload
 
@@ -55,7 +55,7 @@ def power_limited_megatron(workload: Workload, backend: BackendSpec,
     """Megatron-LM at max clock under each board power limit (None: the backend cannot
     simulate it)."""
     job = workload.job
-    plan = get_method("megatron").baseline_plan(job)
+    plan = by_role("throughput_baseline").baseline_plan(job)
     out = []
     for frac in fractions:
         limit = job.gpu_spec.tdp_w * frac
@@ -88,7 +88,7 @@ def iso_power(plans: dict[str, list[Plan]], runs: list[LimitedRun] | None,
     """Per level (a fraction of Megatron-LM's mean cluster power at max clock): the level
     in W, each method's fastest time at or under it, the power-limited baseline's, and
     Kareus's time saving against that baseline and against Perseus."""
-    megatron = plans.get("megatron")
+    megatron = plans.get(THROUGHPUT_BASELINE)
     if not megatron or megatron[0].power is None:
         return []
     reference_w = min(megatron, key=lambda p: p.time_s).power.mean_w  # type: ignore[union-attr]
@@ -100,7 +100,7 @@ def iso_power(plans: dict[str, list[Plan]], runs: list[LimitedRun] | None,
             best = _fastest_under(ps, level)
             times[method] = best.time_s if best is not None else None
         limited = limited_time_at(runs, level) if runs else None
-        kareus, perseus = times.get("kareus"), times.get("perseus")
+        kareus, perseus = times.get(PROPOSED), times.get(ISO_REFERENCE)
         out.append({
             "level_fraction": frac, "level_w": level, "time_s": times,
             "megatron_power_limited_time_s": limited,

@@ -31,13 +31,20 @@ from kareus.compose.options import Composer, key_frontiers
 from kareus.core import Knobs
 from kareus.errors import SpecError
 from kareus.job.spec import JobSpec
-from kareus.plans.methods import ISO_REFERENCE, THROUGHPUT_BASELINE, Method, all_methods, get_method
+from kareus.plans.methods import (
+    ISO_REFERENCE,
+    PROPOSED,
+    THROUGHPUT_BASELINE,
+    Method,
+    all_methods,
+    get_method,
+)
 from kareus.plans.metrics import method_metrics
 from kareus.profiling.executors import spawn_pool
 from kareus.search.loop import SearchResult
 from kareus.workload.workload import Workload
 
-HEADLINE_METHOD = "kareus"
+HEADLINE_METHOD = PROPOSED
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def test_smaller_tiles_are_less_efficient():
 
 
 def test_a40_has_no_256_wide_tiles():
-    assert tile_catalog("A40") == SM86_TILES
+    assert tile_catalog(get_gpu("A40")) == SM86_TILES
     assert all(max(t.m, t.n) <= 128 for t in SM86_TILES)
     assert tile(physics("A40"), (8192, 8192, 8192), 84) == "128x128"
 

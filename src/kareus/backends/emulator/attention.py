@@ -27,7 +27,11 @@ forward (the paper's convention and kareus.workload.layer's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from kareus.job.hardware import GPUSpec
 
 SEQ_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 A100_CAUSAL_TFLOPS = (99.0, 131.0, 155.0, 182.0, 189.0, 189.0)
@@ -62,25 +66,28 @@ def _h100_combined(keys: int, causal: bool) -> float:
     return causal_tflops * _a100_combined(keys, False) / _a100_combined(keys, True)
 
 
-def published_tflops(gpu_name: str, keys: int, causal: bool, backward: bool) -> float:
+_PUBLISHED: dict[str, Callable[[int, bool], float]] = {
+    "ampere": _a100_combined, "hopper": _h100_combined}
+"""Forward + backward TFLOP/s by `GPUSpec.flash_attention`: whose published runs."""
+
+
+def published_tflops(gpu: GPUSpec, keys: int, causal: bool, backward: bool) -> float:
     """The published throughput of one direction of a flash-attention kernel, TFLOP/s, on
-    an A100 or an H100 (H200: the H100's; others: None of their own, see `efficiency`)."""
-    if gpu_name in ("H100-SXM", "H200"):
-        combined = _h100_combined(keys, causal)
-    else:
-        combined = _a100_combined(keys, causal)
+    a GPU whose kernels follow published runs (`GPUSpec.flash_attention`: the A100's or the
+    H100's, which the H200 runs too; others have none of their own, see `efficiency`)."""
+    combined = _PUBLISHED[gpu.flash_attention or ""](keys, causal)
     return combined * (A100_BWD_OF_COMBINED if backward else A100_FWD_OF_COMBINED)
 
 
-def has_published_runs(gpu_name: str) -> bool:
-    """Whether FlashAttention-2's throughput was published for this GPU (or its twin: the
-    H200 runs the H100's kernels; A100 40 and 80 GB the same)."""
-    return gpu_name in ("H100-SXM", "H200") or gpu_name.startswith("A100")
+def has_published_runs(gpu: GPUSpec) -> bool:
+    """Whether FlashAttention-2's throughput was published for this GPU or one whose
+    kernels it runs (`GPUSpec.flash_attention`)."""
+    return gpu.flash_attention in _PUBLISHED
 
 
-def published_fraction(gpu_name: str, peak_tflops: float, keys: int, causal: bool,
+def published_fraction(gpu: GPUSpec, peak_tflops: float, keys: int, causal: bool,
                        backward: bool) -> float:
     """The published throughput over ``peak_tflops`` (this GPU's peak at max clock)."""
-    if not has_published_runs(gpu_name):
-        raise ValueError(f"no published flash-attention runs on {gpu_name}")
-    return published_tflops(gpu_name, keys, causal, backward) / peak_tflops
+    if not has_published_runs(gpu):
+        raise ValueError(f"no published flash-attention runs on {gpu.name}")
+    return published_tflops(gpu, keys, causal, backward) / peak_tflops

@@ -17,7 +17,7 @@ from kareus.backends.emulator.timeline import RunResult, Timeline
 from kareus.backends.needs import TransientRun, TransientUnmeasurable
 from kareus.core import Knobs, Measurement, MeasurementProtocol
 from kareus.errors import SpecError
-from kareus.job.hardware import GPUSpec, get_gpu
+from kareus.job.hardware import DEFAULT_GPU, GPUSpec, get_gpu
 from kareus.job.spec import JobSpec
 from kareus.workload.ops import Op, ops_signature
 from kareus.workload.partition import Partition
@@ -80,7 +80,7 @@ class EmulatorBackend:
         if job is None and workload is not None:
             job = workload.job
         if gpu is None:
-            gpu = job.gpu_spec if job is not None else get_gpu("A100-40GB")
+            gpu = job.gpu_spec if job is not None else get_gpu(DEFAULT_GPU)
         self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.params = params or load_params(self.gpu, calibration)
         if noise < 0 or noise > 0.5:

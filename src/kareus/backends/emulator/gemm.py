@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kareus.errors import SpecError
+from kareus.job.hardware import GPUSpec
 from kareus.workload.ops import GemmShape
 
 
@@ -61,6 +62,9 @@ LARGE_SMEM_TILES: tuple[Tile, ...] = (
 )
 """A100 (sm80, 164 KB shared memory per SM) and H100/H200 (sm90, 228 KB)."""
 
+LARGE_TILE_SMEM_BYTES = 164 * 1024
+"""Shared memory per SM that holds the multi-stage 256-wide tiles (`LARGE_SMEM_TILES`)."""
+
 SM86_TILES: tuple[Tile, ...] = (
     Tile(128, 128, 1.00),
     Tile(128, 64, 0.95), Tile(64, 128, 0.95),
@@ -71,9 +75,10 @@ the A100's tensor rate per SM needs half the operand bandwidth, so 128x128 is it
 and smaller ones lose less."""
 
 
-def tile_catalog(gpu_name: str) -> tuple[Tile, ...]:
-    """The tiles cuBLAS picks from on this GPU."""
-    return SM86_TILES if gpu_name == "A40" else LARGE_SMEM_TILES
+def tile_catalog(gpu: GPUSpec) -> tuple[Tile, ...]:
+    """The tiles cuBLAS picks from on this GPU: by its shared memory per SM."""
+    return (LARGE_SMEM_TILES if gpu.smem_per_sm_bytes >= LARGE_TILE_SMEM_BYTES
+            else SM86_TILES)
 
 
 def k_efficiency(k: int, k0: float) -> float:

@@ -7,6 +7,7 @@ docs/emulator.md. A calibration file (`--calibration FILE`) can override any of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -168,39 +169,61 @@ class EmulatorParams:
 
 
 def default_params(gpu: GPUSpec) -> EmulatorParams:
-    """Per-architecture defaults: A100 constants are the fitted ones; others are scaled by
+    """Per-architecture defaults (`GPUSpec.arch`): sm80's (A100) constants are the fitted
+    ones; others are scaled by
     their public numbers (documented in docs/emulator.md). Collectives nobody tunes get
     the channels NCCL picks on this GPU's node."""
     return replace(_architecture_params(gpu), default_comm_sms=gpu.nccl_channels)
 
 
 def _architecture_params(gpu: GPUSpec) -> EmulatorParams:
-    if gpu.name.startswith("A100"):
-        return EmulatorParams()
-    if gpu.name in ("H100-SXM", "H200"):
-        return EmulatorParams(
-            # NCCL cost model per-channel caps: Hopper 36.7 vs Ampere 20 GB/s (anchors §3)
-            coll_cta_busbw_bytes_s=12.8e9 * 36.7 / 20,
-            coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
-            # solved so a GEMM at 700 W sustains ~1500 MHz (anchors §1, H200 report)
-            sm_dynamic_power_w=950.0,
-            hbm_efficiency=0.90,  # H100 RMSNorm / softmax kernels (anchors §8)
-            hbm_power_w=90.0,
-            link_power_w=15.0,
-            # H200 fit is the default; the H100 one-wave GEMM under a 24-CTA AllGather
-            # (anchors §3) needs 3x: docs/emulator.md, "Interference beyond SM loss"
-            interference_coefficient=0.75 if gpu.name == "H100-SXM" else 0.25,
-        )
-    if gpu.name == "A40":
-        return EmulatorParams(
-            coll_cta_busbw_bytes_s=2.5e9,
-            coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
-            # solved so the Perseus A40 stage runs at its 300 W limit at 1740 MHz (anchors §2)
-            sm_dynamic_power_w=380.0,
-            hbm_power_w=35.0,
-            link_power_w=5.0,
-        )
-    raise SpecError(f"no emulator parameters for {gpu.name}")
+    """The constants of ``gpu``'s architecture (`GPUSpec.arch`), with its own interference
+    fit where the catalog gives one."""
+    of_arch = _ARCHITECTURES.get(gpu.arch)
+    if of_arch is None:
+        raise SpecError(f"no emulator parameters for {gpu.name} ({gpu.arch}); the emulator "
+                        f"knows {', '.join(_ARCHITECTURES)}")
+    params = of_arch(gpu)
+    if gpu.interference_coefficient is not None:
+        params = replace(params, interference_coefficient=gpu.interference_coefficient)
+    return params
+
+
+def _ampere(gpu: GPUSpec) -> EmulatorParams:
+    """sm80 (A100): the fitted defaults."""
+    return EmulatorParams()
+
+
+def _hopper(gpu: GPUSpec) -> EmulatorParams:
+    """sm90 (H100, H200): scaled by their public numbers."""
+    return EmulatorParams(
+        # NCCL cost model per-channel caps: Hopper 36.7 vs Ampere 20 GB/s (anchors §3)
+        coll_cta_busbw_bytes_s=12.8e9 * 36.7 / 20,
+        coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
+        # solved so a GEMM at 700 W sustains ~1500 MHz (anchors §1, H200 report)
+        sm_dynamic_power_w=950.0,
+        hbm_efficiency=0.90,  # H100 RMSNorm / softmax kernels (anchors §8)
+        hbm_power_w=90.0,
+        link_power_w=15.0,
+        # the H200 fit; a GPU of its own fit sets `GPUSpec.interference_coefficient`
+        interference_coefficient=0.25,
+    )
+
+
+def _sm86(gpu: GPUSpec) -> EmulatorParams:
+    """sm86 (A40): scaled by its public numbers."""
+    return EmulatorParams(
+        coll_cta_busbw_bytes_s=2.5e9,
+        coll_link_busbw_bytes_s=LINK_OF_ACHIEVED_ALLREDUCE * gpu.allreduce_busbw_bytes_s,
+        # solved so the Perseus A40 stage runs at its 300 W limit at 1740 MHz (anchors §2)
+        sm_dynamic_power_w=380.0,
+        hbm_power_w=35.0,
+        link_power_w=5.0,
+    )
+
+
+_ARCHITECTURES: dict[str, Callable[[GPUSpec], EmulatorParams]] = {
+    "sm80": _ampere, "sm86": _sm86, "sm90": _hopper}
 
 
 LEGACY_ATTENTION_EFFICIENCY = {"attention_efficiency": 0.62, "attention_bwd_efficiency": 0.50}

@@ -19,7 +19,8 @@ import numpy as np
 from kareus.backends.emulator import attention
 from kareus.backends.emulator.gemm import GemmModel, tile_catalog
 from kareus.backends.emulator.params import MEMORY_SM_SHARE, EmulatorParams, default_params
-from kareus.job.hardware import GPUSpec, get_gpu, get_node
+from kareus.job.hardware import ATTENTION_STAND_IN, GPUSpec, get_gpu
+from kareus.job.nodes import get_node
 from kareus.workload.ops import Collective, ComputeOp
 
 REFERENCE_GEMM_EFFICIENCY = 0.96
@@ -76,7 +77,7 @@ class GPUPhysics:
         if internode_bytes_s is None:
             internode_bytes_s = get_node(gpu.default_node).internode_share_bytes_s(1)
         self.inter_link = 0.9 * internode_bytes_s  # achieved: 0.9 of the line rate
-        self.gemm = GemmModel(tile_catalog(gpu.name), params.gemm_efficiency, params.gemm_k0,
+        self.gemm = GemmModel(tile_catalog(gpu), params.gemm_efficiency, params.gemm_k0,
                               params.gemm_tile_plan_sms)
         self._attention_eff: dict[tuple[int, bool, bool], float] = {}
 
@@ -115,7 +116,7 @@ class GPUPhysics:
         key = (op.attn_keys, op.attn_causal, op.name.endswith("_bwd"))
         hit = self._attention_eff.get(key)
         if hit is None:
-            if attention.has_published_runs(self.gpu.name):
+            if attention.has_published_runs(self.gpu):
                 eff = self._held_clock_efficiency(*key)
             else:  # the A100's efficiency at the set clock: the same kernel (inferred)
                 eff = _a100_physics().attention_efficiency(op)
@@ -129,7 +130,7 @@ class GPUPhysics:
         published fraction itself where no clock fits (not throttled: the cap binds)."""
         p = self.p
         peak = self.gpu.flop_per_clock_per_sm * self.n_sm * self.f_max * 1e-6  # TFLOP/s
-        fraction = attention.published_fraction(self.gpu.name, peak, keys, causal, backward)
+        fraction = attention.published_fraction(self.gpu, peak, keys, causal, backward)
         static = self.gpu.static_power_w * p.static_power_scale
         for f in self.clock_table[::-1]:  # from max clock down
             eff = fraction * self.f_max / f
@@ -269,6 +270,6 @@ class GPUPhysics:
 @functools.lru_cache(maxsize=1)
 def _a100_physics() -> GPUPhysics:
     """The A100 with its default constants: flash attention's efficiency on GPUs without
-    published runs of their own."""
-    a100 = get_gpu("A100-40GB")
+    published runs of their own (`ATTENTION_STAND_IN`)."""
+    a100 = get_gpu(ATTENTION_STAND_IN)
     return GPUPhysics(a100, default_params(a100))
