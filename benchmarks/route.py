@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import io
 import itertools
 import re
@@ -56,6 +57,9 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 BEGIN, END = "<!-- route.py --write-doc: begin -->", "<!-- route.py --write-doc: end -->"
 
 
+RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def layer_of(module: str) -> int | None:
     parts = module.split(".")
     if parts[0] != "kareus" or len(parts) < 2:
@@ -72,6 +76,9 @@ def trace(argv: list[str]) -> tuple[list[int], int]:
 
     steps: list[int] = []
     partition_entries = 0
+    # a generator (a context manager's body, say) reports "call" each time it resumes:
+    # only its first entry is a call; the frames are kept so that their ids stay unique
+    started: dict[int, object] = {}
 
     def hook(frame, event, _arg):  # type: ignore[no-untyped-def]
         nonlocal partition_entries
@@ -82,6 +89,10 @@ def trace(argv: list[str]) -> tuple[list[int], int]:
         if layer is None:
             return
         code = frame.f_code
+        if code.co_flags & RESUMABLE:
+            if id(frame) in started:
+                return
+            started[id(frame)] = frame
         n = code.co_argcount + code.co_kwonlyargcount
         # the job handed on as a parameter; a method of the job's own objects (``self``)
         # uses it where it is, it does not carry it anywhere

@@ -19,7 +19,7 @@ from kareus.backends.measuring import open_measuring
 from kareus.backends.registry import BackendSpec, default_spec, open_prior, spec_from_dict
 from kareus.job.spec import JobSpec
 from kareus.search.loop import SearchConfig, SearchResult, run_search
-from kareus.store import Journal, job_id
+from kareus.store import Journal
 from kareus.workload.workload import Workload
 
 
@@ -59,12 +59,11 @@ def make_tasks(workload: Workload, keys: Sequence[str], config: SearchConfig,
                ) -> list[SearchTask]:
     """Every partition of ``keys`` as a task; the job is serialised, named and registered
     in ``journal`` (which must open) once, here, for all of them."""
+    doc, cfg, spec = workload.to_job_dict(), asdict(config), backend.to_dict()
+    jid = workload.job.id
     if journal is not None:
         with Journal(journal) as j:
-            jid = j.register_job(workload.job)
-    else:
-        jid = job_id(workload.job)
-    doc, cfg, spec = workload.to_job_dict(), asdict(config), backend.to_dict()
+            j.register_job_doc(jid, doc)
     return [SearchTask(job=doc, partition=key, config=cfg, backend=spec, journal=journal,
                        prior=prior, job_id=jid) for key in keys]
 

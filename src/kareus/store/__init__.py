@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kareus.core import Knobs, Measurement
 from kareus.core.measurement import FIELDS
@@ -135,12 +135,16 @@ class Journal:
     # Writing ------------------------------------------------------------------------------
 
     def register_job(self, job: JobSpec) -> str:
-        jid = job.id
+        return self.register_job_doc(job.id, job.model_dump(mode="json"))
+
+    def register_job_doc(self, jid: str, doc: dict[str, Any]) -> str:
+        """`register_job` for a job already serialised (``doc``, its JSON dict) and named
+        (``jid``, its `JobSpec.id`): what the search tasks carry."""
         try:
             with self._tx():
                 self.conn.execute(
                     "INSERT OR IGNORE INTO jobs(job_id, job_json) VALUES (?, ?)",
-                    (jid, json.dumps(job.model_dump(mode="json"), sort_keys=True)))
+                    (jid, json.dumps(doc, sort_keys=True)))
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"cannot write to journal {self.path}: {exc}") from None
         return jid

@@ -55,16 +55,14 @@ def power_limited_megatron(workload: Workload, backend: BackendSpec,
     """Megatron-LM at max clock under each board power limit (None: the backend cannot
     simulate it)."""
     job = workload.job
+    limits = [job.gpu_spec.tdp_w * frac for frac in fractions]
+    sims = [backend.power_limited_simulator(workload, limit) for limit in limits]
+    if any(sim is None for sim in sims):
+        return None
     plan = by_role("throughput_baseline").baseline_plan(job)
-    out = []
-    for frac in fractions:
-        limit = job.gpu_spec.tdp_w * frac
-        sim = backend.power_limited_simulator(workload, limit)
-        if sim is None:
-            return None
-        r = sim.run(plan)
-        out.append(LimitedRun(frac, limit, r.time_s, r.energy_j))
-    return out
+    runs = [sim.run(plan) for sim in sims if sim is not None]
+    return [LimitedRun(frac, limit, r.time_s, r.energy_j)
+            for frac, limit, r in zip(fractions, limits, runs, strict=True)]
 
 
 def _fastest_under(plans: list[Plan], level_w: float) -> Plan | None:
