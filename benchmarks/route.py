@@ -34,6 +34,7 @@ import re
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 # The top-level layers, top first (the layers contract in pyproject.toml); a flat module of
@@ -71,9 +72,9 @@ def layer_of(module: str) -> int | None:
     return None
 
 
-def trace(argv: list[str]) -> tuple[list[int], int]:
-    from kareus.cli import main
-
+def follow(run: Callable[[], object]) -> tuple[list[int], int]:
+    """The layers of the calls that carry the job while ``run`` runs, and the entries into
+    the partition module."""
     steps: list[int] = []
     partition_entries = 0
     # a generator (a context manager's body, say) reports "call" each time it resumes:
@@ -108,12 +109,18 @@ def trace(argv: list[str]) -> tuple[list[int], int]:
     previous = sys.getprofile()
     sys.setprofile(hook)
     try:
-        main(argv)
+        run()
     except SystemExit:
         pass
     finally:
         sys.setprofile(previous)
     return steps, partition_entries
+
+
+def trace(argv: list[str]) -> tuple[list[int], int]:
+    from kareus.cli import main
+
+    return follow(lambda: main(argv))
 
 
 def climbs(steps: list[int]) -> tuple[list[int], int]:

@@ -75,3 +75,25 @@ def test_write_doc_replaces_the_figures_between_the_markers(tmp_path):
 def test_the_architecture_doc_carries_the_block():
     text = (ROUTE_PY.parent.parent / "docs" / "architecture.md").read_text()
     assert text.count(route.BEGIN) == 1 and text.count(route.END) == 1
+
+
+def test_a_generator_resuming_is_not_a_call():
+    """A context manager's body resumes at the block's end: that is not the job carried
+    again (the profiler reports it as a "call")."""
+    source = (
+        "import contextlib\n"
+        "@contextlib.contextmanager\n"
+        "def opened(job):\n"
+        "    yield\n"
+        "def run(job):\n"
+        "    with opened(job):\n"
+        "        pass\n")
+    namespace = {"__name__": "kareus.backends.made_up"}
+    exec(compile(source, "made_up", "exec"), namespace)
+
+    class JobSpec:  # the route follows objects by their type's name
+        pass
+
+    steps, _ = route.follow(lambda: namespace["run"](JobSpec()))
+    backends = route.LAYERS.index("backends")
+    assert steps == [backends, backends]  # run, then opened once
