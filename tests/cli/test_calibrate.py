@@ -50,9 +50,17 @@ def test_calibrate_refuses_a_kind_without_anchors_or_a_gpu(tmp_path):
                              "anchors or with a real GPU: not --backend replay")
 
 
-def test_model_spec_is_the_first_kind_with_a_cost_model(monkeypatch):
+def test_model_spec_is_the_default_kind_whatever_else_offers_a_cost_model(monkeypatch):
     assert model_spec(noise=0.1, seed=3) == EmulatorSpec(seed=3, noise=0.1)
     assert model_spec() == EmulatorSpec()
-    monkeypatch.setattr(registry, "cost_model_kinds", lambda: ())
-    with pytest.raises(SpecError, match="no backend kind with a cost model"):
+
+    @dataclass(frozen=True)
+    class Other(BackendSpec):
+        kind: ClassVar[str] = "aaa-other-model"
+        capabilities: ClassVar[Capabilities] = Capabilities(cost_model=True)
+
+    with registry.BACKENDS.registered(Other):
+        assert type(model_spec()) is EmulatorSpec  # not the first kind with a model
+    monkeypatch.setattr(registry, "DEFAULT_KIND", "replay")
+    with pytest.raises(SpecError, match="the default backend replay offers no cost model"):
         model_spec()

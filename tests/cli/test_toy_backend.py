@@ -128,3 +128,42 @@ def test_without_the_kind_its_option_is_unknown(tmp_path):
 def test_the_toy_spec_round_trips(toy):
     spec = ToySpec(seed=3, toy_factor=2.0)
     assert spec_from_dict(spec.to_dict()) == spec
+
+
+def test_a_value_given_at_the_default_is_still_given(tmp_path):
+    """``--runtime kernels`` is nvml's default, given to the emulator: refused, as any
+    option of another kind (a CLI default of None tells given from not given)."""
+    r = run_cli("optimize", "-p", "kareus-1", "--backend", "emulator", "--runtime",
+                "kernels", "--out", str(tmp_path / "r"))
+    assert r.code == 2
+    assert r.err.strip() == "kareus: error: --runtime does not apply to the emulator backend"
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_plugin_that_does_not_load_leaves_the_cli_working(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    real = importlib.metadata.entry_points
+    broken = importlib.metadata.EntryPoint("broken", "no_such_backend_mod:Spec",
+                                           "kareus.backends")
+
+    def entry_points(**kw):
+        found = real(**kw)
+        if kw.get("group") == "kareus.backends":
+            return importlib.metadata.EntryPoints([*found, broken])
+        return found
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    fresh = registry.Registry("backend", lambda spec: spec.kind,
+                              entry_points="kareus.backends")
+    monkeypatch.setattr(registry, "BACKENDS", fresh)
+    import kareus.cli.options as cli_options
+
+    monkeypatch.setattr(cli_options, "BACKENDS", fresh)
+    r = run_cli("optimize", "--help")
+    assert r.code == 0 and "--noise" in r.out
+    r = run_cli("optimize", "-p", "kareus-1", "--backend", "broken", "--out",
+                str(tmp_path / "r"))
+    assert r.code == 2
+    assert r.err.strip() == ("kareus: error: the broken backend needs "
+                             "no_such_backend_mod")

@@ -110,3 +110,29 @@ def test_module_of_names_where_a_thing_is_defined(monkeypatch: pytest.MonkeyPatc
     assert reg.module_of("length") == "builtins"
     assert reg.module_of("far") == "some_package.far_module"  # not imported
     assert reg.module_of("nope") is None
+
+
+def test_the_order_is_the_same_whatever_was_asked_first(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    eps = [importlib.metadata.EntryPoint(n, f"math:{f}", "kareus.test.order")
+           for n, f in (("one", "exp"), ("two", "log"), ("three", "sqrt"))]
+    _fake_entry_points(monkeypatch, "kareus.test.order", eps)
+    reg: Registry[object] = Registry("thing", entry_points="kareus.test.order")
+    reg.get("three")
+    reg.add(object(), "four")
+    reg.get("two")
+    assert reg.names() == ("one", "two", "three", "four")
+
+
+def test_usable_leaves_out_a_plugin_that_does_not_load(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    eps = [importlib.metadata.EntryPoint("fine", "math:exp", "kareus.test.usable"),
+           importlib.metadata.EntryPoint("broken", "no_such_plugin_mod:x",
+                                         "kareus.test.usable")]
+    _fake_entry_points(monkeypatch, "kareus.test.usable", eps)
+    reg: Registry[object] = Registry("thing", entry_points="kareus.test.usable")
+    import math
+
+    assert reg.usable() == (("fine", math.exp),)
+    with pytest.raises(SpecError, match="no_such_plugin_mod"):
+        reg.get("broken")

@@ -179,7 +179,7 @@ def numbers_from(identity: str) -> dict[str, Any]:
 
 def cost_model_kinds() -> tuple[str, ...]:
     """Kinds that offer a cost model (a search prior, ``--fill-missing``)."""
-    return tuple(k for k, s in BACKENDS.items() if s.capabilities.cost_model)
+    return tuple(k for k, s in BACKENDS.usable() if s.capabilities.cost_model)
 
 
 def spec_from_options(name: str, given: dict[str, Any]) -> BackendSpec:
@@ -217,18 +217,23 @@ def spec_from_dict(doc: dict[str, Any]) -> BackendSpec:
     return spec(**d)
 
 
+DEFAULT_KIND = "emulator"
+"""The kind a command measures with when none is named (``--backend``'s default): the
+built-in emulator, which needs no GPU. It is also the model a command that never runs on
+a device uses (`model_spec`), so it must offer a cost model."""
+
+
 def model_spec(**given: Any) -> BackendSpec:
-    """The spec of the first kind with a cost model (the emulator), from options by field
-    name: what measures where a command runs on a model, never on a device (a suite's
-    comparison, a profile's estimate). Asked of the capabilities, not a name."""
-    kinds = cost_model_kinds()
-    if not kinds:
-        raise SpecError("no backend kind with a cost model is registered")
-    return spec_from_options(kinds[0], given)
+    """The default kind's spec, from options by field name: what measures where a command
+    runs on a model, never on a device (a suite's comparison, a profile's estimate)."""
+    spec = backend_kind(DEFAULT_KIND)
+    if not spec.capabilities.cost_model:
+        raise SpecError(f"the default backend {DEFAULT_KIND} offers no cost model")
+    return spec_from_options(DEFAULT_KIND, given)
 
 
 def default_spec() -> BackendSpec:
-    return backend_kind("emulator")()
+    return backend_kind(DEFAULT_KIND)()
 
 
 def prior_choices() -> tuple[str, ...]:

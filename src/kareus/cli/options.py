@@ -12,9 +12,9 @@ import typer
 
 from kareus.backends.options import MAX_SEED, SpecOption, spec_options
 from kareus.backends.registry import (
+    BACKENDS,
+    DEFAULT_KIND,
     BackendSpec,
-    backend_kind,
-    backend_kinds,
     replay_spec,
     spec_from_options,
 )
@@ -129,7 +129,7 @@ def seed_option(*decls: str, help: str, **kw: Any) -> Any:
     return typer.Option(*decls, help=help, callback=_in_range(MAX_SEED), **kw)
 
 
-def with_backend(default: str = "emulator", measurements: bool = False
+def with_backend(default: str = DEFAULT_KIND, measurements: bool = False
                  ) -> Callable[[F], F]:
     """The backend options: ``--backend`` and every registered kind's own (declared on its
     spec's fields, kareus.backends.options), read from the registry when the command is
@@ -142,8 +142,7 @@ def with_backend(default: str = "emulator", measurements: bool = False
             "--backend", panel=_PANEL, help="Where measurements come from: "
             + "; ".join(f"{k}: {s.summary}" if s.summary else k
                         for k, s in _kinds().items()) + ".")], default)]
-        opts += [(o.flag.param, Annotated[o.annotation, _spec_option(o)], o.default)
-                 for o in _spec_options().values()]
+        opts += [_cli_option(o) for o in _spec_options().values()]
         if measurements:
             opts.append(("measurements", Annotated[Optional[str], _opt(
                 "--measurements", panel=_PANEL, help="Compose from this journal alone "
@@ -169,8 +168,8 @@ def with_backend(default: str = "emulator", measurements: bool = False
             if o.part is not None:
                 if value is not None:
                     filled.setdefault(o.field, (o.of, {}))[1][o.part] = value
-            elif value != o.default:
-                given[o.field] = value
+            elif (value != o.default) if _is_flag(o) else (value is not None):
+                given[o.field] = value  # a value option given, even at the default
         given.update({f: of(**parts) for f, (of, parts) in filled.items()})
         return spec_from_options(name, given)
 
@@ -181,7 +180,9 @@ _PANEL = "Backend"
 
 
 def _kinds() -> dict[str, type[BackendSpec]]:
-    return {k: backend_kind(k) for k in backend_kinds()}
+    # a kind that does not load (a plugin's missing extra) has no options here; choosing
+    # it (--backend) gives its one line
+    return dict(BACKENDS.usable())
 
 
 def _spec_options() -> dict[str, SpecOption]:
@@ -197,10 +198,29 @@ def _spec_options() -> dict[str, SpecOption]:
     return found
 
 
-def _spec_option(o: SpecOption) -> Any:
+def _base(o: SpecOption) -> Any:
+    return next((a for a in get_args(o.annotation) if a is not type(None)), o.annotation)
+
+
+def _is_flag(o: SpecOption) -> bool:
+    return _base(o) is bool
+
+
+def _cli_option(o: SpecOption) -> Option:
+    """(parameter, annotation, default) of a spec field's option. A value option's CLI
+    default is None, so that one given at the spec's default is still given (and refused
+    for a kind that does not take it: ``--runtime kernels`` on the emulator); its help
+    shows the spec's default."""
+    if _is_flag(o):
+        return o.flag.param, Annotated[o.annotation, _spec_option(o)], o.default
+    shown = "" if o.default is None else f" Default: {o.default}."
+    return (o.flag.param, Annotated[Optional[_base(o)], _spec_option(o, shown)], None)
+
+
+def _spec_option(o: SpecOption, shown: str = "") -> Any:
     """The typer option of a spec field: numbers checked as they are parsed, flags with
-    no metavar."""
-    base = next((a for a in get_args(o.annotation) if a is not type(None)), o.annotation)
+    no metavar; ``shown``: the spec's default, said after the help."""
+    base = _base(o)
     kw: dict[str, Any] = {}
     if base is float:
         kw["callback"] = number(positive=o.flag.positive, at_most=o.flag.at_most)
@@ -208,7 +228,7 @@ def _spec_option(o: SpecOption) -> Any:
         kw["callback"] = _in_range(int(o.flag.at_most))
     elif base is bool:
         kw["metavar"] = ""
-    return _opt(o.flag.flag, panel=_PANEL, help=o.flag.help, **kw)
+    return _opt(o.flag.flag, panel=_PANEL, help=o.flag.help + shown, **kw)
 
 
 def with_executor() -> Callable[[F], F]:

@@ -46,6 +46,7 @@ class Registry(Generic[T]):
         self._items: dict[str, T] = {}
         self._aliases: dict[str, str] = {}
         self._pending: dict[str, importlib.metadata.EntryPoint] | None = None
+        self._metadata: tuple[str, ...] | None = None
         _ALL.append(self)  # type: ignore[arg-type]
 
     # Filling ----------------------------------------------------------------------------
@@ -115,8 +116,11 @@ class Registry(Generic[T]):
         return self.add(item, name)
 
     def names(self) -> tuple[str, ...]:
-        """Every name (not the aliases), without loading what entry points name."""
-        return (*self._items, *(n for n in self._entry_points() if n not in self._items))
+        """Every name (not the aliases), without loading what entry points name: the
+        entry points in the metadata's order, then the things registered otherwise, in
+        their order (the same order whatever was asked for first)."""
+        listed = self._listed()
+        return (*listed, *(n for n in self._items if n not in listed))
 
     def all_names(self) -> tuple[str, ...]:
         """Every name and alias: what no code outside a registry compares against."""
@@ -132,6 +136,18 @@ class Registry(Generic[T]):
             return module if module is not None else type(item).__module__
         ep = self._entry_points().get(name)
         return ep.module if ep is not None else None
+
+    def usable(self) -> tuple[tuple[str, T], ...]:
+        """Every thing that loads, by name: one whose module cannot be imported (a
+        plugin's missing extra) is left out here, and its one line is raised only when it
+        is asked for by name (`get`), so one broken plugin does not break the others."""
+        found = []
+        for name in self.names():
+            try:
+                found.append((name, self.get(name)))
+            except SpecError:
+                continue
+        return tuple(found)
 
     def values(self) -> tuple[T, ...]:
         """Everything registered, entry points loaded."""
@@ -159,6 +175,15 @@ class Registry(Generic[T]):
         if not name:
             raise ValueError(f"{item!r} has no {self.what} name")
         return name
+
+    def _listed(self) -> tuple[str, ...]:
+        """The names the metadata's entry points give, in its order."""
+        if self._group is None:
+            return ()
+        if self._metadata is None:
+            self._metadata = tuple(ep.name for ep in
+                                   importlib.metadata.entry_points(group=self._group))
+        return self._metadata
 
     def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
         if self._group is None:
