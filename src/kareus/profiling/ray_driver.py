@@ -5,8 +5,9 @@ A partition is a unit: a STRICT_PACK placement group (one node) with a bundle pe
 up their own process group and search as `kareus.profiling.profile.profile` does under torchrun.
 Units run in parallel as resources allow. The journal stays on the driver: ranks read a
 snapshot (`ProxyJournal`) and send writes to a queue the driver drains and commits as it
-waits (what a rank runs: `kareus.profiling.ray_rank`). A unit whose actor or node dies, or that is not placed in time, is retried from a
-fresh snapshot: it measures only what is not journaled yet. Then the steps outside
+waits (what a rank runs: `kareus.profiling.ray_rank`). A unit whose actor or node dies,
+or that is not placed in time, is retried from a fresh snapshot: it measures only what is
+not journaled yet. Then the steps outside
 partitions run as one more unit on the job's largest TP/CP group (collectives need the group;
 the driver need not have GPUs). Emulator and replay units have one rank each.
 """
