@@ -8,8 +8,6 @@ from kareus.errors import KareusError
 from kareus.runtime.control import read_control_file
 
 
-# The control file --------------------------------------------------------------------
-
 def test_a_control_request_is_read_once_and_again_when_it_changes(tmp_path):
     f = tmp_path / "control.json"
     assert read_control_file(f) is None  # no file

@@ -1,4 +1,4 @@
-"""Validated descriptions of a model and of a training job (pydantic).
+"""The validated description of a training job (pydantic; its model: kareus.job.model).
 
 A JobSpec is everything Kareus needs to build the execution graph: the model, the
 parallelism, the batch shape, the pipeline split, activation recompute, the GPUs, and the

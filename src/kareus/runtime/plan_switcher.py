@@ -26,7 +26,12 @@ from typing import Any
 from kareus.errors import KareusError
 from kareus.plans.plan import Plan, select
 from kareus.plans.replan import pace_plan
-from kareus.runtime.control import check_request
+from kareus.runtime.control import (  # importable from here too, as before they moved
+    CONTROL_KEYS,
+    ControlFile,
+    check_request,
+    read_control_file,
+)
 
 SWITCH_LOG_SCHEMA_VERSION = 1
 REASONS = ("control file", "programmatic", "pace")
@@ -302,4 +307,5 @@ def _append_line(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-__all__ = ["REASONS", "SWITCH_LOG_SCHEMA_VERSION", "Pace", "PlanSwitcher"]
+__all__ = ["CONTROL_KEYS", "REASONS", "SWITCH_LOG_SCHEMA_VERSION", "ControlFile", "Pace",
+           "PlanSwitcher", "check_request", "read_control_file"]
