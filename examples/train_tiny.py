@@ -110,7 +110,7 @@ def control(path: str | None):
     """The control file's new request, read on rank 0 and broadcast (a malformed file is
     a warning there: training goes on)."""
     from kareus.errors import KareusError
-    from kareus.runtime.plan_switcher import read_control_file
+    from kareus.runtime.control import read_control_file
 
     box = [None]
     if path and dist.get_rank() == 0:

@@ -113,7 +113,7 @@ def test_a_new_journal_has_the_schema_and_version_it_declares(tmp_path):
 
 
 def test_journal_has_every_method_journal_like_promises():
-    """The Ray proxy of kareus.profiling.ray_driver stands in for a Journal through this
+    """The Ray proxy of kareus.profiling.ray_rank stands in for a Journal through this
     protocol: the same methods with the same parameters."""
     promised = [n for n, v in vars(JournalLike).items()
                 if callable(v) and not n.startswith("_")]

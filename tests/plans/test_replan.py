@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kareus.errors import KareusError
 from kareus.plans.replan import (
+    PACE_ROUNDING,
     CapStep,
     FrontierPlan,
     JobShape,
@@ -178,7 +179,8 @@ def simulate(plans, shape, replicas, f, n, lag, p0, lag_in):
     """Iteration by iteration, both runs: straggler slow for n, the others on the pace's
     plan from iteration lag_in to n + lag where the pace held for lag_in iterations."""
     pace = max(f, 1.0) * p0.time_s
-    fits = [p for p in plans if p.time_s <= pace * (1 + 1e-12) and p.energy_j < p0.energy_j]
+    fits = [p for p in plans if p.time_s <= pace * (1 + PACE_ROUNDING)
+            and p.energy_j < p0.energy_j]
     p1 = min(fits, key=lambda p: p.energy_j) if fits and replicas > 1 and f > 1 else p0
     per = {p.id: p.energy_j / shape.result_replicas for p in plans}
     w = shape.gpus_per_replica * shape.wait_power_w
@@ -207,7 +209,7 @@ def test_matches_a_per_iteration_simulation(plans, f, replicas, n, lag, lag_in, 
     s = straggler_savings(plans, SHAPE, replicas, f, n, p0.id, lag, lag_in)
     p1, runs = simulate(plans, SHAPE, replicas, f, n, lag, p0, lag_in)
     assert s.p1.id == p1.id
-    assert s.p1.time_s <= max(f, 1.0) * p0.time_s * (1 + 1e-12)
+    assert s.p1.time_s <= max(f, 1.0) * p0.time_s * (1 + PACE_ROUNDING)
     assert (s.time_without_s, s.energy_without_j) == pytest.approx(runs[False], rel=1e-9)
     assert (s.time_with_s, s.energy_with_j) == pytest.approx(runs[True], rel=1e-9)
 

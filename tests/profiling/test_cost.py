@@ -232,7 +232,7 @@ def test_an_unknown_prior_is_one_line_and_creates_nothing(tmp_path, prior):
 def no_nvml(monkeypatch):
     """NVML and PyTorch absent, as on a machine without an NVIDIA GPU (whatever this one
     has): opening the device or importing torch fails as they do there."""
-    from kareus.backends import nvml
+    from kareus.backends.nvml import spec as nvml
     from kareus.errors import KareusError
 
     def absent(*_a, **_k):

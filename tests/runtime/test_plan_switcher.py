@@ -9,13 +9,8 @@ from kareus.core import PartitionSetting
 from kareus.errors import KareusError
 from kareus.plans.execution import ExecutionPlan
 from kareus.plans.plan import DEADLINE_TOLERANCE_S, Plan, PlanPower
-from kareus.runtime.plan_switcher import (
-    PACE_ROUNDING,
-    SWITCH_LOG_SCHEMA_VERSION,
-    Pace,
-    PlanSwitcher,
-    read_control_file,
-)
+from kareus.plans.replan import PACE_ROUNDING, FrontierPlan, pace_plan
+from kareus.runtime.plan_switcher import SWITCH_LOG_SCHEMA_VERSION, Pace, PlanSwitcher
 
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -98,6 +93,20 @@ def test_for_pace_matches_brute_force(pts, target, base_index):
     assert chosen.time_s <= limit  # never slower than asked
 
 
+@FAST
+@given(points, st.floats(0.05, 12.0), st.integers(0, 11))
+def test_for_pace_is_the_straggler_scenarios_rule(pts, target, base_index):
+    """The runtime's pace trigger and `kareus replan`'s straggler scenario pick the same
+    plan (one rule, kareus.plans.replan.pace_plan): ties in energy, a pace faster than
+    the base, a plan an ulp over the pace."""
+    plans = _plans_of(pts)
+    base = plans[base_index % len(plans)]
+    frontier = [FrontierPlan(p.id, p.time_s, p.energy_j) for p in plans]
+    got = PlanSwitcher(plans, base.id).for_pace(target)
+    want = pace_plan(frontier, frontier[base_index % len(plans)], target)
+    assert (got.time_s, got.energy_j) == (want.time_s, want.energy_j)
+
+
 def test_a_power_cap_needs_every_plans_power():
     plans = [*FRONTIER, _plan("old", 2.0, 60.0)]
     sw = PlanSwitcher(plans, "p0")
@@ -130,40 +139,6 @@ def test_a_bad_switcher_is_refused_in_one_line(plans, start, kw, match):
     with pytest.raises(KareusError, match=match) as exc:
         PlanSwitcher(plans, start, **kw)
     assert "\n" not in str(exc.value)
-
-
-# The control file --------------------------------------------------------------------
-
-def test_a_control_request_is_read_once_and_again_when_it_changes(tmp_path):
-    f = tmp_path / "control.json"
-    assert read_control_file(f) is None  # no file
-    f.write_text('{"deadline_s": 1.3}')
-    assert read_control_file(f) == {"deadline_s": 1.3}
-    assert read_control_file(f) is None  # applied once
-    f.write_text('{"plan": "p4"}')
-    assert read_control_file(f) == {"plan": "p4"}
-    st_ = f.stat()
-    os.utime(f, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))  # written again, same text
-    assert read_control_file(f) == {"plan": "p4"}
-    f.unlink()
-    assert read_control_file(f) is None
-
-
-@pytest.mark.parametrize("text", [
-    "", "not json", "[1]", "{}", '{"deadline_s": 1, "plan": "p1"}', '{"deadline_s": -1}',
-    '{"deadline_s": 0}', '{"deadline_s": "4"}', '{"deadline_s": true}',
-    '{"power_cap_kw": NaN}', '{"plan": ""}', '{"plan": 3}', '{"speed": 3}', "\xff\xfe",
-    '{"deadline_s": 1.0\n',
-])
-def test_a_malformed_control_file_is_one_line_once(tmp_path, text):
-    f = tmp_path / "control.json"
-    f.write_bytes(text.encode("latin-1"))
-    with pytest.raises(KareusError) as exc:
-        read_control_file(f)
-    assert "\n" not in str(exc.value) and str(f) in str(exc.value)
-    assert read_control_file(f) is None  # reported once, not at every iteration
-    f.write_text('{"power_cap_kw": 7.5}')  # mended
-    assert read_control_file(f) == {"power_cap_kw": 7.5}
 
 
 def test_a_control_document_switches_at_its_boundary_and_is_logged(tmp_path):
@@ -355,19 +330,6 @@ def test_the_straggler_keeps_the_operators_plan_even_where_a_faster_one_is_cheap
     other = PlanSwitcher(plans, "p0", patience=1)
     assert _run(other, [(1.5, 1.0)]) == ["slow"]
     assert _run(other, [(1.2, 1.2)], start=2) == ["p0"]  # now the slowest: back to base
-
-
-def test_a_control_file_nested_too_deeply_is_one_line(tmp_path):
-    """json's recursion limit is an error like any other malformed file (rank 0 must
-    not die while the others wait in the broadcast)."""
-    from kareus.errors import KareusError
-    from kareus.runtime.plan_switcher import read_control_file
-
-    path = tmp_path / "control.json"
-    path.write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(KareusError, match="nested too deeply") as info:
-        read_control_file(path)
-    assert "\n" not in str(info.value)
 
 
 def test_pace_keeps_to_the_operators_power_cap():

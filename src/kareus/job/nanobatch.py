@@ -11,7 +11,7 @@ otherwise (an odd size > 1: Megatron-LM and Perseus run the microbatch whole).
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 
 class JobSpec(Protocol):
@@ -24,7 +24,8 @@ class JobSpec(Protocol):
     sequence_parallel: bool
 
 NanobatchSplit = Literal["batch", "sequence"]
-NANOBATCH_SPLITS: tuple[str, ...] = ("batch", "sequence")
+NANOBATCH_SPLITS: tuple[str, ...] = get_args(NanobatchSplit)
+"""The splits, for checks and messages (the runtime's `LayerPlan`, Megatron's layer)."""
 
 
 def sequence_split_problem(job: JobSpec) -> str | None:

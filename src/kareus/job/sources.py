@@ -15,8 +15,9 @@ import yaml
 from kareus.core.jsonfile import check_depth, read_json_object, too_deep
 from kareus.errors import SpecError
 from kareus.job.hardware import get_gpu
+from kareus.job.model import ModelSpec
 from kareus.job.presets import JOB_PRESETS, MODEL_PRESETS, preset_names
-from kareus.job.spec import JobSpec, ModelSpec, validate_job
+from kareus.job.spec import JobSpec, validate_job
 from kareus.job.validation import first_error_line
 
 _HF_REQUIRED = (

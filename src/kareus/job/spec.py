@@ -1,4 +1,4 @@
-"""Validated descriptions of a model and of a training job (pydantic).
+"""The validated description of a training job (pydantic; its model: kareus.job.model).
 
 A JobSpec is everything Kareus needs to build the execution graph: the model, the
 parallelism, the batch shape, the pipeline split, activation recompute, the GPUs, and the
@@ -18,20 +18,16 @@ from kareus.job import nanobatch
 from kareus.job.hardware import DEFAULT_GPU, GPUSpec, get_gpu
 from kareus.job.identity import job_identity
 from kareus.job.limits import (
-    MAX_FFN_HIDDEN_SIZE,
     MAX_GPUS,
     MAX_GPUS_PER_NODE,
-    MAX_HEAD_DIM,
-    MAX_HEADS,
-    MAX_HIDDEN_SIZE,
     MAX_KNOB_CHOICES,
     MAX_LAYERS,
     MAX_MICRO_BATCH_SIZE,
     MAX_MICROBATCHES,
     MAX_PIPELINE_INSTRUCTIONS,
     MAX_SEQ_LENGTH,
-    MAX_VOCAB_SIZE,
 )
+from kareus.job.model import ModelSpec
 from kareus.job.nanobatch import NanobatchSplit
 from kareus.job.nodes import NodeSpec, check_node, node_of
 from kareus.job.training import TrainingSettings, misplaced
@@ -47,45 +43,6 @@ CP_COMM_TYPES: tuple[str, ...] = ("allgather", "p2p")
 """Megatron-LM's ``--cp-comm-type`` values Kareus models (docs/workload.md): ``allgather``
 (Kareus's CP partitions; Megatron-Core and TE write ``all_gather``, accepted) and ``p2p``
 (Megatron-LM's default: Transformer Engine's ring inside the attention op). Not ``a2a``."""
-
-
-class ModelSpec(BaseModel):
-    """A Llama-style decoder-only transformer (RMSNorm, GQA + RoPE, SwiGLU)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    hidden_size: int = Field(ge=1, le=MAX_HIDDEN_SIZE)
-    num_layers: int = Field(ge=1, le=MAX_LAYERS)
-    num_attention_heads: int = Field(ge=1, le=MAX_HEADS)
-    num_kv_heads: int = Field(ge=1, le=MAX_HEADS)
-    head_dim: int = Field(ge=1, le=MAX_HEAD_DIM)
-    ffn_hidden_size: int = Field(ge=1, le=MAX_FFN_HIDDEN_SIZE)
-    vocab_size: int = Field(ge=1, le=MAX_VOCAB_SIZE)
-    qk_norm: bool = False
-    """RMSNorm on queries and keys before rotary (Qwen3)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_head_dim(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("head_dim") is None:
-            heads, hidden = data.get("num_attention_heads"), data.get("hidden_size")
-            if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-                if hidden % heads != 0:  # the head size would be a fraction: say so
-                    raise ValueError(
-                        f"hidden_size {hidden} is not divisible by the {heads} attention "
-                        f"heads; give head_dim (the size of one head)")
-                data = {**data, "head_dim": hidden // heads}
-        return data
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> ModelSpec:
-        if self.num_attention_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"attention heads ({self.num_attention_heads}) must be a multiple of "
-                f"KV heads ({self.num_kv_heads})"
-            )
-        return self
 
 
 class JobSpec(BaseModel):

@@ -33,14 +33,17 @@ time charges none of those either.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from kareus.errors import KareusError, SpecError
 from kareus.plans.power import under_cap
 
-TIME_TOLERANCE = 1e-12
-"""A plan this fraction slower than the pace still fits it (float rounding of f x T0)."""
+PACE_ROUNDING = 1e-9
+"""A plan this fraction slower than the pace still fits it: the pace (T0 x f, the
+runtime's base time x slowest / own) lands an ulp under a plan whose time it equals
+(1.2 s x 1.5 is 1.7999999999999998 s), which still meets it."""
 
 
 @dataclass(frozen=True)
@@ -126,12 +129,29 @@ def plan_by_id(plans: Sequence[FrontierPlan], plan_id: str | None) -> FrontierPl
                       f"{plans[-1].id})")
 
 
-def pace_plan(plans: Sequence[FrontierPlan], p0: FrontierPlan, pace_s: float) -> FrontierPlan:
-    """The least-energy plan whose time is at most ``pace_s``; P0 where none uses less
-    energy than P0 (or the pace is P0's own)."""
-    fits = [p for p in plans if p.time_s <= pace_s * (1 + TIME_TOLERANCE)]
-    best = min(fits, key=lambda p: (p.energy_j, p.time_s), default=p0)
-    return best if best.energy_j < p0.energy_j else p0
+class Timed(Protocol):
+    """A plan as the pace rule reads it (`FrontierPlan`, `kareus.plans.plan.Plan`)."""
+
+    @property
+    def time_s(self) -> float: ...
+
+    @property
+    def energy_j(self) -> float: ...
+
+
+P = TypeVar("P", bound=Timed)
+
+
+def pace_plan(plans: Iterable[P], p0: P, pace_s: float) -> P:
+    """The least-energy plan (the faster of equals) among ``p0`` and the ``plans`` whose
+    time is at most ``pace_s`` (up to PACE_ROUNDING); ``p0`` where the pace is faster than
+    P0's own time. The one rule of the runtime's pace trigger
+    (`kareus.runtime.plan_switcher.PlanSwitcher.for_pace`) and of the straggler here."""
+    limit = pace_s * (1 + PACE_ROUNDING)
+    if limit < p0.time_s:
+        return p0
+    return min([p0, *(p for p in plans if p.time_s <= limit)],
+               key=lambda p: (p.energy_j, p.time_s))
 
 
 def straggler_savings(plans: Sequence[FrontierPlan], shape: JobShape, replicas: int,

@@ -5,12 +5,7 @@ baselines' steps, transfers, the data-parallel sync) at every clock of the job's
 series of numbers per step that differ in the clock alone. On a GPU each costs a full
 measurement (a 5 s window and a 5 s cooldown), so a step of a few milliseconds used to cost
 18 measurements. A step's time and energy are smooth in the clock where the GPU runs the
-clock it was set to:
-
-- time ``t(f) = a + b / f``: the part bound by the SM clock scales with 1/f, the rest
-  (memory, links, launch) does not;
-- dynamic energy ``e(f) = c0 + c1 f + c2 f^2``: dynamic power grows with the clock and the
-  voltage, which rises with it, so energy per step is convex in the clock.
+clock it was set to (the curves: `kareus.profiling.step_curves`).
 
 So each series is measured at ``anchors`` clocks spread over its range (both ends
 included), fitted by least squares on relative errors, and checked at one more clock held
@@ -50,6 +45,7 @@ from kareus.profiling.prior_fit import (
     passes,
     prior_predictor,
 )
+from kareus.profiling.step_curves import Curves, HeldOut, pooled_spread
 
 THROTTLED_BELOW = 1e-3
 """A measurement whose effective clock is this fraction below its set clock was held down
@@ -164,7 +160,7 @@ def measure_steps(needs: Iterable[Need], measure: Measure, policy: FitPolicy,
     checks = {k: _check_clock(v, report.measured) for k, v in fitting.items()}
     take(fitting[k][f] for k, f in checks.items() if f is not None)
     checked = {k: _held_out(v, report.measured, checks[k]) for k, v in fitting.items()}
-    noise = _pooled_spread([c for c in checked.values() if c is not None])
+    noise = pooled_spread([c for c in checked.values() if c is not None])
     failed: list[tuple] = []
     for k, v in fitting.items():
         result = _fit_series(v, report.measured, checked[k], policy, noise)
@@ -266,69 +262,22 @@ def _farthest_free(points: Sequence[int], free: Sequence[int]) -> int | None:
     return max(inside, key=lambda f: (min(abs(f - p) for p in points), f))
 
 
-@dataclass(frozen=True)
-class _Curves:
-    time: np.ndarray
-    energy: np.ndarray
-
-    @classmethod
-    def fit(cls, points: Sequence[tuple[int, Measurement]]) -> _Curves:
-        f = np.array([p[0] for p in points], dtype=float)
-        t = np.array([p[1].time_s for p in points])
-        e = np.array([p[1].dynamic_energy_j for p in points])
-        return cls(_relative_lstsq(_time_basis(f), t), _relative_lstsq(_energy_basis(f), e))
-
-    def predict(self, freq_mhz: float) -> tuple[float, float]:
-        f = np.array([float(freq_mhz)])
-        return (float((_time_basis(f) @ self.time)[0]),
-                float((_energy_basis(f) @ self.energy)[0]))
-
-    def spread(self, points: Sequence[tuple[int, Measurement]]) -> tuple[float, float]:
-        """The residuals' relative spread (time, energy), per degree of freedom."""
-        rt, re = [], []
-        for f, m in points:
-            t, e = self.predict(f)
-            rt.append(t / m.time_s - 1)
-            re.append(e / m.dynamic_energy_j - 1 if m.dynamic_energy_j else 0.0)
-        return (_rms(rt, len(points) - len(self.time)),
-                _rms(re, len(points) - len(self.energy)))
-
-
-@dataclass(frozen=True)
-class _HeldOut:
-    time_error: float
-    energy_error: float
-    spread: tuple[float, float]
-    """The fit's relative residual spread (time, energy), per degree of freedom."""
-
-
 def _held_out(series: dict[int, Need], measured: dict[Need, Measurement],
-              check: int | None) -> _HeldOut | None:
+              check: int | None) -> HeldOut | None:
     """The fit without the held-out clock, against it (None: no check could be made)."""
     if check is None:
         return None
     points = _fit_points(series, measured, skip=check)
-    curves = _Curves.fit(points)
+    curves = Curves.fit(points)
     held = measured[series[check]]
     t, e = curves.predict(check)
-    return _HeldOut(t / held.time_s - 1,
+    return HeldOut(t / held.time_s - 1,
                     e / held.dynamic_energy_j - 1 if held.dynamic_energy_j else 0.0,
                     curves.spread(points))
 
 
-def _pooled_spread(checks: Sequence[_HeldOut]) -> tuple[float, float]:
-    """The measurements' noise, as the median over every step of its fit's residual
-    spread (time, energy): a step whose curve the shape cannot follow has a large spread
-    of its own, which must not loosen its own check; the median over the job's steps is
-    the noise they share. Zero with fewer than three steps (no noise allowance)."""
-    if len(checks) < 3:
-        return 0.0, 0.0
-    return (float(np.median([c.spread[0] for c in checks])),
-            float(np.median([c.spread[1] for c in checks])))
-
-
 def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
-                check: _HeldOut | None, policy: FitPolicy, noise: tuple[float, float]
+                check: HeldOut | None, policy: FitPolicy, noise: tuple[float, float]
                 ) -> dict[Need, tuple[Measurement, FitInfo]] | None:
     """The fitted numbers of the series' unmeasured clocks, or None where the held-out
     check fails (or cannot be made): its error, and its own residual spread, must be
@@ -342,7 +291,7 @@ def _fit_series(series: dict[int, Need], measured: dict[Need, Measurement],
             or check.spread[0] > allow_t or check.spread[1] > allow_e):
         return None
     everything = _fit_points(series, measured)
-    curves = _Curves.fit(everything)  # the held-out clock joins the final fit
+    curves = Curves.fit(everything)  # the held-out clock joins the final fit
     return _fill(series, measured, everything, curves.predict,
                  (check.time_error, check.energy_error))
 
@@ -373,25 +322,3 @@ def _fill(series: dict[int, Need], measured: dict[Need, Measurement],
         out[n] = (Measurement(t, static_j + e, static_j, e, (static_j + e) / t, float(f)),
                   info)
     return out
-
-
-def _time_basis(f: np.ndarray) -> np.ndarray:
-    return np.c_[np.ones_like(f), 1e3 / f]
-
-
-def _energy_basis(f: np.ndarray) -> np.ndarray:
-    x = f / 1e3
-    return np.c_[np.ones_like(x), x, x * x]
-
-
-def _relative_lstsq(basis: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of the relative errors (each row divided by its value)."""
-    scale = np.where(np.abs(y) > 0, np.abs(y), 1.0)
-    coef, *_ = np.linalg.lstsq(basis / scale[:, None], y / scale, rcond=None)
-    return coef
-
-
-def _rms(residuals: list[float], dof: int) -> float:
-    if dof <= 0:
-        return 0.0
-    return float(np.sqrt(np.sum(np.square(residuals)) / dof))

@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 
 from kareus.core import InstructionId, PartitionSetting
 from kareus.errors import SpecError
+from kareus.job.nanobatch import NANOBATCH_SPLITS
 from kareus.plans.execution import ExecutionPlan
 from kareus.workload.partition import Partition
-
-SPLITS = ("batch", "sequence")
-"""How a microbatch is cut into two nanobatches."""
 
 NO_SETTING = PartitionSetting(0, None)
 """A key the plan does not set: no overlap, no SM-specific process group."""
@@ -40,9 +38,9 @@ class LayerPlan:
     partition), not with that layer's first backward one (`layer_end_backward`)."""
 
     def __post_init__(self) -> None:
-        if self.split not in SPLITS:
+        if self.split not in NANOBATCH_SPLITS:
             raise SpecError(f"nanobatch split {self.split!r}: expected one of "
-                            f"{', '.join(SPLITS)}")
+                            f"{', '.join(NANOBATCH_SPLITS)}")
 
     def key(self, key: str, nanobatch: int) -> str:
         """``key`` for the partition whose compute is nanobatch ``nanobatch``'s: the

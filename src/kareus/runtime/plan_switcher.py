@@ -7,14 +7,13 @@ requests, control documents and pace at the same iterations decides the same thi
 same iteration. Sharing those inputs (the control file read on one rank and broadcast, the
 pace all-reduces) is the integration's job. No framework is imported here.
 
-Three triggers: a control file the operator writes (`read_control_file`), a programmatic
+Three triggers: a control file the operator writes (`kareus.runtime.control`), a programmatic
 call (`PlanSwitcher.request`), and pace (`Pace`, given to `PlanSwitcher.boundary`). Every
 switch is one JSON line appended to the switch log.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -26,16 +25,18 @@ from typing import Any
 
 from kareus.errors import KareusError
 from kareus.plans.plan import Plan, select
+from kareus.plans.replan import pace_plan
+from kareus.runtime.control import (  # importable from here too, as before they moved
+    CONTROL_KEYS,
+    ControlFile,
+    check_request,
+    read_control_file,
+)
 
 SWITCH_LOG_SCHEMA_VERSION = 1
-CONTROL_KEYS = ("deadline_s", "power_cap_kw", "plan")
-"""What a control file (or a programmatic request) may ask for: exactly one of them."""
 REASONS = ("control file", "programmatic", "pace")
 DEFAULT_PATIENCE = 2
 """Boundaries a pace must hold before the others move to a slower plan."""
-PACE_ROUNDING = 1e-9
-"""Relative slack of a pace target: base time x slowest / own lands an ulp under a plan
-whose time it equals (1.2 s x 1.5 is 1.7999999999999998 s), which still meets it."""
 
 _log = logging.getLogger(__name__)
 
@@ -49,81 +50,6 @@ class Pace:
 
     slowest: float
     own: float
-
-
-def check_request(doc: Mapping[str, Any], where: str) -> tuple[str, float | str]:
-    """The one (key, value) of a control document or request; KareusError (one line,
-    prefixed with ``where``) unless it is exactly one of CONTROL_KEYS with a positive
-    finite number (a non-empty plan id for "plan")."""
-    if not isinstance(doc, Mapping):
-        raise KareusError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    keys = sorted(doc)
-    if len(keys) != 1 or keys[0] not in CONTROL_KEYS:
-        raise KareusError(f"{where}: give exactly one of {', '.join(CONTROL_KEYS)}; got "
-                          f"{', '.join(map(str, keys)) or 'nothing'}")
-    key = keys[0]
-    value = doc[key]
-    if key == "plan":
-        if not isinstance(value, str) or not value.strip():
-            raise KareusError(f"{where}: \"plan\" must be a plan id such as \"kareus-042\"")
-        return key, value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise KareusError(f"{where}: {key} must be a positive number, got {value!r}")
-    return key, float(value)
-
-
-class ControlFile:
-    """The operator's control file at ``path``: `read` returns each new request once."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._seen: tuple[int, int, str] | None = None
-
-    def read(self) -> dict[str, Any] | None:
-        """The request in the file, or None where there is no file or it is unchanged
-        since the last read (by mtime, size and content hash). A malformed file raises
-        KareusError (one line) once: the same file is not reported again until it
-        changes."""
-        try:
-            st = self.path.stat()
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            self._seen = None  # written again later, even identical: a new request
-            return None
-        except OSError as exc:
-            raise KareusError(f"control file {self.path}: {exc.strerror or exc}") from None
-        key = (st.st_mtime_ns, st.st_size, hashlib.sha256(data).hexdigest())
-        if key == self._seen:
-            return None
-        self._seen = key
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except RecursionError:
-            raise KareusError(f"control file {self.path}: nested too deeply to be a "
-                              f"request") from None
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise KareusError(f"control file {self.path}: not JSON "
-                              f"({str(exc).splitlines()[0] if str(exc) else 'empty'})"
-                              ) from None
-        if not isinstance(doc, dict):
-            raise KareusError(f"control file {self.path}: expected a JSON object such as "
-                              f"{{\"deadline_s\": 4.2}}")
-        check_request(doc, f"control file {self.path}")
-        return doc
-
-
-_CONTROL_FILES: dict[str, ControlFile] = {}
-
-
-def read_control_file(path: str | Path) -> dict[str, Any] | None:
-    """The operator's request in ``path`` (one JSON object: {"deadline_s": x} or
-    {"power_cap_kw": x} or {"plan": "kareus-042"}, exactly one key), or None where the file
-    does not exist or is unchanged since it was last read here (keyed by mtime, size and
-    content hash: each request is applied once). A malformed file raises KareusError with
-    one line (the integration logs it and keeps the running plan)."""
-    reader = _CONTROL_FILES.setdefault(os.path.abspath(path), ControlFile(path))
-    return reader.read()
 
 
 @dataclass
@@ -247,15 +173,11 @@ class PlanSwitcher:
 
     def for_pace(self, target_time_s: float) -> Plan:
         """The least-energy plan with time_s <= ``target_time_s`` (never slower than
-        asked, up to PACE_ROUNDING) and, under an operator's power cap, whose peak power
-        fits it; ``base`` where the target is faster than base."""
-        limit = target_time_s * (1 + PACE_ROUNDING)
-        if limit < self.base.time_s:
-            return self.base
-        ok = [p for p in self.plans.values() if p.time_s <= limit and (
-            self.cap_w is None or p is self.base
-            or (p.power is not None and p.power.peak_w <= self.cap_w))]
-        return min(ok, key=lambda p: (p.energy_j, p.time_s))
+        asked, up to `kareus.plans.replan.PACE_ROUNDING`) and, under an operator's power
+        cap, whose peak power fits it; ``base`` where the target is faster than base."""
+        under = [p for p in self.plans.values() if self.cap_w is None or (
+            p.power is not None and p.power.peak_w <= self.cap_w)]
+        return pace_plan(under, self.base, target_time_s)
 
     # Triggers --------------------------------------------------------------------------
 
@@ -385,5 +307,5 @@ def _append_line(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-__all__ = ["CONTROL_KEYS", "PACE_ROUNDING", "REASONS", "SWITCH_LOG_SCHEMA_VERSION",
-           "ControlFile", "Pace", "PlanSwitcher", "check_request", "read_control_file"]
+__all__ = ["CONTROL_KEYS", "REASONS", "SWITCH_LOG_SCHEMA_VERSION", "ControlFile", "Pace",
+           "PlanSwitcher", "check_request", "read_control_file"]

@@ -61,7 +61,7 @@ class StoredSample:
 class JournalLike(Protocol):
     """What measuring code (the search loop, `JournaledBackend`) asks of a journal:
     `Journal`, or a stand-in on a machine that cannot open it (a Ray rank's proxy that
-    reads a snapshot and sends its writes to the driver, `kareus.profiling.ray_driver`)."""
+    reads a snapshot and sends its writes to the driver, `kareus.profiling.ray_rank`)."""
 
     def register_backend(self, identity: str, info: dict[str, object]) -> None: ...
 

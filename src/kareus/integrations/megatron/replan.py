@@ -28,7 +28,8 @@ from kareus.errors import KareusError, SpecError
 from kareus.integrations.megatron.order import rank_instructions
 from kareus.integrations.megatron.plan import MegatronPlan
 from kareus.plans.plan import Plan
-from kareus.runtime.plan_switcher import Pace, PlanSwitcher, read_control_file
+from kareus.runtime.control import read_control_file
+from kareus.runtime.plan_switcher import Pace, PlanSwitcher
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,8 @@ from torch import Tensor
 from kareus.errors import SpecError
 from kareus.integrations.megatron.ops import KareusTransformerLayer, MegatronCutOps
 from kareus.integrations.megatron.te import is_te_attention
-from kareus.runtime.layer_plan import SPLITS, LayerPlan
+from kareus.job.nanobatch import NANOBATCH_SPLITS
+from kareus.runtime.layer_plan import LayerPlan
 from kareus.runtime.overlap import Taps
 from kareus.runtime.pieces import Before
 
@@ -66,9 +67,9 @@ def nanobatch_split(layer: Any, batch: int, plan: LayerPlan | None = None) -> st
         return "sequence"
     chosen = getattr(layer, "kareus_nanobatch_split", None)
     if chosen is not None:
-        if chosen not in SPLITS:
+        if chosen not in NANOBATCH_SPLITS:
             raise SpecError(f"nanobatch split {chosen!r}: the choices are "
-                            f"{', '.join(SPLITS)}")
+                            f"{', '.join(NANOBATCH_SPLITS)}")
         return str(chosen)
     return "sequence" if batch == 1 else "batch"
 

@@ -98,7 +98,7 @@ def test_is_a_backend_and_measures_runs_of_ops(tmp_path):
 
 
 class FakeClock:
-    """``time.perf_counter`` and ``time.sleep`` of kareus.backends.nvml: time moves only
+    """``time.perf_counter`` and ``time.sleep`` of kareus.backends.nvml.backend: time moves only
     when the backend sleeps or a fake run runs, and every sleep is recorded."""
 
     def __init__(self) -> None:
@@ -131,7 +131,7 @@ RESTING = MeasurementProtocol(window_s=0.005, cooldown_s=0.05, settle_s=0.03)
 
 
 def _rested_backend(monkeypatch, tmp_path, protocol, guard):
-    import kareus.backends.nvml as nvml
+    import kareus.backends.nvml.backend as nvml
 
     clock = FakeClock()
     monkeypatch.setattr(nvml, "time", clock)
