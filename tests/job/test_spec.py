@@ -300,3 +300,14 @@ def _nested(depth: int) -> list:
     for _ in range(depth - 1):
         doc = [doc]
     return doc
+
+
+def test_a_copy_with_fields_updated_is_named_anew():
+    """`JobSpec.id` is cached from the fields; pydantic's model_copy copies the cache with
+    them and validates nothing, so an updated copy must not keep its original's name."""
+    from kareus.job.identity import job_identity
+
+    job = build_job(preset="kareus-1")
+    copy = job.model_copy(update={"num_microbatches": job.num_microbatches + 4})
+    assert copy.id == job_identity(copy) != job.id
+    assert job.model_copy().id == job.id

@@ -8,6 +8,7 @@ checked here, with a message that says what to change.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, Literal
 
@@ -152,7 +153,9 @@ class JobSpec(BaseModel):
                 f"{MAX_PIPELINE_INSTRUCTIONS:,}; use fewer microbatches or stages")
         self._check_stages()
         self._check_knobs(gpu)
-        _ = self.id  # once, here, where the job is (the route: benchmarks/route.py)
+        # named as it is validated: every command asks the name (the journal, the lock,
+        # the result directory), and an immutable job's name never changes
+        _ = self.id
         return self
 
     def _check_placement(self) -> None:
@@ -248,6 +251,15 @@ class JobSpec(BaseModel):
     @property
     def num_gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+                   ) -> JobSpec:
+        """A copy; one with fields updated is another job, named anew (`id` is cached
+        from the fields, and pydantic copies the cache with them)."""
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            copy.__dict__.pop("id", None)
+        return copy
 
     @cached_property
     def id(self) -> str:
