@@ -84,8 +84,8 @@ def speed(repeats: int, only: str | None = None) -> None:
 
 def equivalence(presets: tuple[str, ...] = ("kareus-1", "kareus-2", "llama3.3-70b-64gpu")
                 ) -> None:
-    from kareus.backends.emulator import EmulatorBackend
-    from kareus.backends.journaled import JournaledBackend
+    from kareus.backends.emulator.transient import emulator_for
+    from kareus.backends.measuring import journal_first
     from kareus.compose.options import Composer, key_frontiers
     from kareus.compose.pipeline import solve_frontier
     from kareus.job.sources import build_job
@@ -95,10 +95,11 @@ def equivalence(presets: tuple[str, ...] = ("kareus-1", "kareus-2", "llama3.3-70
 
     for preset in presets:
         job = build_job(preset)
-        ps = Workload.build(job).partitions
-        b = EmulatorBackend(job)
+        wl = Workload.build(job)
+        ps = wl.partitions
+        b = emulator_for(wl)
         fronts = key_frontiers({k: [(s.knobs, s.measurement) for s in run_search(
-            ps[k], JournaledBackend.in_memory(b, job), job.freqs_mhz,
+            ps[k], journal_first(b, None, job), job.freqs_mhz,
             SearchConfig(budget=40, seed=0)).samples] for k in ps.keys})
         comp = Composer(ps, b, job.freqs_mhz)
         costs = comp.pipeline_costs()

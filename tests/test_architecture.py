@@ -84,9 +84,19 @@ REGISTRY_OWNERS = (
 )
 """Every module that makes a registry (imported, so the registries are filled)."""
 
-NOT_REGISTRY_NAMES: dict[tuple[str, str], str] = {}
-"""(module, literal) pairs compared that are not a registry's name where they are, each
-with why; empty: every such comparison was a name and is gone."""
+NOT_REGISTRY_NAMES: dict[tuple[str, str], str] = {
+    ("kareus.integrations.megatron.overhead", "megatron"):
+        "the arms of a timing: Megatron's own layer against the Kareus layer (local keys)",
+    ("kareus.integrations.megatron.overhead", "kareus"): "the same timing's other arm",
+    ("kareus.integrations.megatron.overhead", "kernels"):
+        "the arms of a runtime timing: the project's kernels against Megatron's modules",
+    ("kareus.integrations.megatron.te_check", "megatron"):
+        "the arms of a timing: Megatron's own layer against the Kareus layer (local keys)",
+    ("kareus.plans.execution", "sequential"):
+        "a plan file's field (ExecutionPlan.sequential), read from its JSON",
+}
+"""(module, literal) pairs compared or looked up that are not a registry's name where
+they are, each with why."""
 
 
 
@@ -134,7 +144,9 @@ def _compared(node: ast.expr) -> list[str]:
 
 def _literal_comparisons(tree: ast.AST) -> list[tuple[int, str, str]]:
     """(line, literal, how) of every comparison with a string literal: "==" for ==, !=,
-    in, not in, is, is not and ``match``/``case`` patterns; "startswith"/"endswith"."""
+    in, not in, is, is not, ``match``/``case`` patterns and lookups by a literal key
+    (``d["kareus"]``, ``d.get("perseus")``: choosing by name as much as ``==`` is);
+    "startswith"/"endswith"."""
     ops = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
     out = []
     for node in ast.walk(tree):
@@ -146,6 +158,11 @@ def _literal_comparisons(tree: ast.AST) -> list[tuple[int, str, str]]:
             out += [(node.lineno, v, node.func.attr) for a in node.args for v in _compared(a)]
         elif isinstance(node, ast.MatchValue):
             out += [(node.lineno, v, "==") for v in _compared(node.value)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "get" and node.args):
+            out += [(node.lineno, v, "==") for v in _compared(node.args[0])]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            out += [(node.lineno, v, "==") for v in _compared(node.slice)]
     return out
 
 
@@ -216,7 +233,10 @@ def test_the_name_check_finds_a_comparison():
         "kareus.somewhere:1 'a40' (kareus.job.hardware.GPUS)"]
     assert hits('match cfg.strategy:\n    case "exhaustive":\n        pass') == [
         "kareus.somewhere:2 'exhaustive' (kareus.search.config.STRATEGIES)"]
-    assert hits('x = b.kind != other; y = d.get("kareus"); z = "B100" in text') == []
+    assert hits('x = b.kind != other; y = d.get(name); z = "B100" in text') == []
+    assert hits('y = t.get("kareus"); z = plans["perseus"]') == [  # chosen by name
+        "kareus.somewhere:1 'kareus' (kareus.plans.methods.METHODS)",
+        "kareus.somewhere:1 'perseus' (kareus.plans.methods.METHODS)"]
     assert hits('x = "A100" in device_name') == [  # a catalog alias, case ignored
         "kareus.somewhere:1 'A100' (kareus.job.hardware.GPUS)"]
     assert hits('x = key.startswith("fwd_") or name.endswith("_bwd")') == []

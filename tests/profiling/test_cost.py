@@ -1,4 +1,4 @@
-"""What a profile costs (kareus.profiling.cost, profile_estimate): the expected
+"""What a profile costs (kareus.profiling.cost, kareus.profiling.estimate): the expected
 clock changes of a batch against a Monte Carlo count; on the emulator, `kareus profile
 --dry-run` measures and writes nothing and estimates what the run then records (in the
 journal's profile_runs and in its result); --max-hours refuses a profile over it before

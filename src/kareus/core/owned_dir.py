@@ -36,9 +36,11 @@ from kareus.core.atomic import TAG_MAX, is_marked, remove_leftovers, replace_dir
 from kareus.core.jsonfile import read_json_object
 from kareus.core.lock import Lock
 from kareus.core.names import check_name
+from kareus.core.registry import Registry
 from kareus.errors import KareusError
 
-_KINDS: list[type[OwnedDir]] = []
+DIR_KINDS: Registry[type[OwnedDir]] = Registry("directory kind", lambda kind: kind.what)
+"""Every kind of directory Kareus writes, by what it is (each subclass registers itself)."""
 
 KNOWN_MARKERS = {".kareus-result": "result directory",
                  ".kareus-import": "import-perseus output",
@@ -62,7 +64,7 @@ def owned_dir_holding(path: str | Path, skip: Path | None = None) -> tuple[Path,
         if skip is not None and parent == skip:
             continue
         found = [what for marker, what in KNOWN_MARKERS.items() if is_marked(parent, marker)]
-        found += [kind.what for kind in _KINDS if kind.is_mine(parent)]
+        found += [what for what, kind in DIR_KINDS.items() if kind.is_mine(parent)]
         if found:
             return parent, found[0]
     return None
@@ -96,7 +98,7 @@ class OwnedDir:
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
-        _KINDS.append(cls)
+        DIR_KINDS.add(cls)
 
     def __init__(self, path: str | Path, within: str | Path | None = None) -> None:
         self.given = str(path)

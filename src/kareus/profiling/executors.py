@@ -107,7 +107,8 @@ _PARENT_POLL_S = 0.5
 
 
 _OPENED: OpenedTasks | None = None
-"""A worker's backends, opened once for its tasks (closed when the worker ends)."""
+"""A worker's backends, opened once for its tasks. Never closed: the pool ends its
+workers, and every measurement was committed as it was taken."""
 
 
 def _init_worker(queue: Any, parent_pid: int) -> None:

@@ -355,8 +355,8 @@ def iso_power_markdown(levels: list[tuple[str, list[dict[str, Any]]]]) -> list[s
             t = lv["time_s"]
             rows.append(
                 f"| {name} | {lv['level_fraction']:.0%} ({format_power_w(lv['level_w'])}) | "
-                f"{_s(t.get('kareus'))} | {_s(lv['megatron_power_limited_time_s'])} | "
-                f"{_s(t.get('perseus'))} | {_pct(lv['kareus_time_saving_vs_power_limited'])} "
+                f"{_s(t.get(PROPOSED))} | {_s(lv['megatron_power_limited_time_s'])} | "
+                f"{_s(t.get(ISO_REFERENCE))} | {_pct(lv['kareus_time_saving_vs_power_limited'])} "
                 f"| {_pct(lv['kareus_time_saving_vs_perseus'])} |")
     if not rows:
         return []
