@@ -125,7 +125,7 @@ def _hook_env(tmp_path: Path, phase: str) -> dict[str, str]:
             lp._PipelineLp.solve = held_solve
         elif PHASE == "validate":  # between the first and the second plan's simulation
             import kareus.workflows.optimize as optimize
-            plans = optimize._plans
+            plans = optimize.frontier_plans
 
             class Held:
                 def __init__(self, simulator):
@@ -140,7 +140,7 @@ def _hook_env(tmp_path: Path, phase: str) -> dict[str, str]:
             def held_plans(methods, solved, f_max, simulator, *rest):
                 assert simulator is not None
                 return plans(methods, solved, f_max, Held(simulator), *rest)
-            optimize._plans = held_plans
+            optimize.frontier_plans = held_plans
         elif PHASE == "write":  # the plans are written beside the directory
             import kareus.results.report as report
             figure = report.frontier_figure
