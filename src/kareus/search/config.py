@@ -140,6 +140,10 @@ class Strategy:
     """One line for ``--strategy`` help."""
     fills_space: ClassVar[bool] = False
     """Takes every setting by design: a full space is its budget, not an exhaustion."""
+    profiles: ClassVar[bool] = False
+    """`kareus profile` may search with it: what a profile records is what Kareus
+    composes from (the model-based search, or every setting); the others are for
+    comparing searches."""
 
     def configure(self, config: SearchConfig) -> SearchConfig:
         """The configuration this strategy runs (default: ``config`` as it is)."""

@@ -35,6 +35,7 @@ class ModelBased(Strategy):
     improving (docs/search.md)."""
 
     name = "mbo"
+    profiles = True
     summary = "ours, the default (GP surrogates, the per-clock pass)"
 
     def check(self, config: SearchConfig, space_size: int, with_prior: bool) -> None:
@@ -148,6 +149,7 @@ class Published(ModelBased):
 
     name = "published"
     summary = "the published Kareus search (XGBoost ensembles, its four passes)"
+    profiles = False  # for comparing searches (benchmarks/search_efficiency.py)
 
     def configure(self, config: SearchConfig) -> SearchConfig:
         return config.as_published()
@@ -173,6 +175,7 @@ class Exhaustive(Strategy):
     """Every setting of the space, once."""
 
     name = "exhaustive"
+    profiles = True
     summary = "every setting"
     fills_space = True
 

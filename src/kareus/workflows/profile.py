@@ -22,11 +22,14 @@ from kareus.profiling.profile import (
 )
 from kareus.profiling.ray_driver import profile_ray
 from kareus.profiling.step_fit import FitPolicy
+from kareus.search.config import STRATEGIES, get_strategy
 from kareus.search.loop import SearchConfig
 from kareus.workload.workload import Workload
 
-PROFILE_STRATEGIES = ("mbo", "exhaustive")
-"""A profile searches by MBO, or measures every setting."""
+
+def profile_strategies() -> tuple[str, ...]:
+    """The strategies a profile may search with (`Strategy.profiles`)."""
+    return tuple(name for name, s in STRATEGIES.items() if s.profiles)
 
 
 @dataclass
@@ -97,8 +100,8 @@ def prepare_profile(workload: Workload, journal: str, backend: BackendSpec,
     a torchrun rank other than 0, which does not write it)."""
     if max_hours is not None and not max_hours > 0:
         raise SpecError(f"--max-hours must be positive, got {max_hours}")
-    if config.strategy not in PROFILE_STRATEGIES:
-        raise SpecError(f"--strategy must be {' or '.join(PROFILE_STRATEGIES)}, got "
+    if not get_strategy(config.strategy).profiles:
+        raise SpecError(f"--strategy must be {' or '.join(profile_strategies())}, got "
                         f"{config.strategy!r}")
     if retries < 0:
         raise SpecError(f"--ray-retries must be >= 0, got {retries}")
