@@ -18,9 +18,13 @@ def _m(f: int, a: float, b: float, c: tuple[float, float, float]) -> Measurement
     return Measurement(t, e + 50.0 * t, 50.0 * t, e, (e + 50.0 * t) / t, float(f))
 
 
+# energies in joules: no subnormal (a relative fit divides by each value; 1e-311 J is no
+# measurement)
+_J = st.floats(0.0, 1.0, allow_subnormal=False)
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.floats(1e-4, 1e-2), st.floats(1e-4, 1e-2), st.floats(0.0, 1.0),
-       st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+@given(st.floats(1e-4, 1e-2), st.floats(1e-4, 1e-2), _J, _J, _J)
 def test_a_curve_of_the_shape_is_recovered_exactly(a, b, c0, c1, c2):
     points = [(f, _m(f, a, b, (c0, c1, c2))) for f in CLOCKS]
     curves = Curves.fit(points)
